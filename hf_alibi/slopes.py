@@ -1,0 +1,114 @@
+"""ALiBi math in pure torch: slopes and the bias forms. Imports nothing from transformers.
+
+The bias a head ``h`` adds to the score of query ``i`` and key ``j`` is ``-m_h * d(i, j)``:
+
+* causal:        ``d = i - j`` for ``j <= i``; keys after the query are masked.
+* symmetric:     ``d = |i - j|`` (bidirectional encoders).
+* nonsymmetric:  ``d = |i - j|``; the first half of the heads sees only ``j <= i``, the second
+  half only ``j >= i``.
+* learned:       ``slope_left * (i - j)`` for ``j <= i``, ``slope_right * (j - i)`` otherwise, with
+  per-head slopes ``-sigmoid(parameter)`` (they are passed in already negative).
+
+Every form is built in float32 and returns masked positions as ``masked_value`` (never ``-inf``,
+so that a fully masked row stays finite), shaped ``(1, H, q_len, kv_len)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CAUSAL = "causal"
+SYMMETRIC = "symmetric"
+NONSYMMETRIC = "nonsymmetric"
+LEARNED = "learned"
+ENCODER_VARIANTS = (SYMMETRIC, NONSYMMETRIC, LEARNED)
+BIAS_KINDS = (CAUSAL, *ENCODER_VARIANTS)
+
+
+def _power_of_two_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (h + 1) for h in range(n)]
+
+
+def get_slopes_list(n_heads: int) -> list[float]:
+    """The paper's slopes in head order, as Python floats.
+
+    For a power of two ``n`` the slopes are ``2^(-8h/n)``, ``h = 1..n``. Otherwise, with ``c`` the
+    largest power of two below ``n``: ``slopes(c) + slopes(2c)[0::2][: n - c]`` (fairseq's
+    ``get_slopes``).
+
+    >>> get_slopes_list(6)
+    [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
+    """
+    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+        raise ValueError(f"ALiBi needs a positive integer number of heads, got {n_heads!r}.")
+    if math.log2(n_heads).is_integer():
+        return _power_of_two_slopes(n_heads)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return _power_of_two_slopes(closest) + _power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+
+
+def get_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The paper's slopes as a float32 tensor of shape ``(n_heads,)``.
+
+    >>> get_slopes(8)
+    tensor([0.5000, 0.2500, 0.1250, 0.0625, 0.0312, 0.0156, 0.0078, 0.0039])
+    """
+    return torch.tensor(get_slopes_list(n_heads), dtype=torch.float32, device=device)
+
+
+def relative_distance(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``i - j`` as float32, shape ``(q_len, kv_len)``.
+
+    The queries are the last ``q_len`` of the ``kv_len`` positions (a KV cache holds the earlier
+    ones), so query row ``r`` sits at absolute position ``kv_len - q_len + r``.
+    """
+    if q_len > kv_len:
+        raise ValueError(f"ALiBi expects at least as many keys as queries, got q_len={q_len}, kv_len={kv_len}.")
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=device, dtype=torch.float32)
+    key_pos = torch.arange(kv_len, device=device, dtype=torch.float32)
+    return query_pos[:, None] - key_pos[None, :]  # (q, kv)
+
+
+def alibi_bias(
+    kind: str,
+    q_len: int,
+    kv_len: int,
+    slopes: torch.Tensor,
+    *,
+    slopes_right: torch.Tensor | None = None,
+    masked_value: float = torch.finfo(torch.float32).min,
+) -> torch.Tensor:
+    """The additive ALiBi bias of one attention layer, float32, shape ``(1, H, q_len, kv_len)``.
+
+    ``slopes`` are positive for the fixed forms (the bias is ``-slope * distance``); for ``learned``
+    they are the (negative) left slopes and ``slopes_right`` the right ones, as in the seed's
+    ``-sigmoid(parameter)`` parametrisation, and the bias is ``slope * distance``.
+
+    >>> alibi_bias("symmetric", 3, 3, torch.tensor([0.5]))[0, 0]
+    tensor([[ 0.0000, -0.5000, -1.0000],
+            [-0.5000,  0.0000, -0.5000],
+            [-1.0000, -0.5000,  0.0000]])
+    """
+    if kind not in BIAS_KINDS:
+        raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
+    distance = relative_distance(q_len, kv_len, device=slopes.device)  # (q, kv), i - j
+    slopes = slopes.float()[:, None, None]  # (H, 1, 1)
+    if kind == LEARNED:
+        if slopes_right is None:
+            raise ValueError("The learned ALiBi bias needs both left and right slopes.")
+        right = slopes_right.float()[:, None, None]
+        bias = torch.where(distance >= 0, slopes * distance, right * -distance)
+        return bias.unsqueeze(0)
+    bias = -slopes * distance.abs()  # (H, q, kv)
+    if kind == CAUSAL:
+        bias = bias.masked_fill(distance < 0, masked_value)
+    elif kind == NONSYMMETRIC:
+        n_heads = bias.shape[0]
+        half = n_heads // 2
+        sees_left = torch.arange(n_heads, device=bias.device)[:, None, None] < half  # (H, 1, 1)
+        allowed = torch.where(sees_left, distance >= 0, distance <= 0)
+        bias = bias.masked_fill(~allowed, masked_value)
+    return bias.unsqueeze(0)
