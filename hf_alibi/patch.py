@@ -88,6 +88,8 @@ def patch_model(
     # own, since another model built from the same config object must not change with this one.
     new_config = copy.deepcopy(config)
     new_config.__class__ = alibi_config_class(type(config), config.model_type, spec.removed_config_fields)
+    if "model_type" in vars(new_config):  # a config read from config.json holds its model_type per instance
+        new_config.model_type = type(new_config).model_type
     new_config.alibi = settings.to_dict()
     for name in spec.removed_config_fields:
         setattr(new_config, name, None)

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from .config import AlibiSettings, alibi_config_class, get_settings
+from .hub import AlibiPreTrainedMixin
 
 # The Auto classes an ALiBi model can be loaded with, when transformers maps the base type there.
 AUTO_CLASSES = (
@@ -116,9 +117,10 @@ def _make_alibi_class(base_cls: type[PreTrainedModel], config_cls: type, spec: A
         spec.apply(self, settings)
 
     name = "Alibi" + base_cls.__name__
+    # AlibiPreTrainedMixin: save_pretrained / push_to_hub also write the remote code and auto_map.
     return type(
         name,
-        (base_cls,),
+        (AlibiPreTrainedMixin, base_cls),
         {
             "__init__": __init__,
             "config_class": config_cls,

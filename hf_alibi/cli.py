@@ -1,0 +1,274 @@
+"""``hf-alibi``: convert a checkpoint to ALiBi, inspect one, push one to the Hub.
+
+    hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
+                             [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
+    hf-alibi info PATH [--json]
+
+SRC is a local checkpoint folder or a Hub id. OUT gets safetensors weights, config.json with the ALiBi
+settings and ``auto_map``, ``modeling_alibi.py`` (for ``trust_remote_code=True``), the tokenizer when
+SRC has one, and README.md (model card). SRC is only read. The Hub token is the usual one: ``HF_TOKEN``
+or the stored ``hf auth login``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+
+
+class CliError(Exception):
+    """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
+
+
+def _is_local(src: str) -> bool:
+    """A path rather than a Hub id (``user/name`` or ``name``)."""
+    return os.path.exists(src) or src.startswith((".", "/", "~")) or src.count("/") > 1 or "\\" in src
+
+
+def _load_config_dict(src: str, label: str = "SRC") -> dict:
+    from transformers import PretrainedConfig
+
+    if _is_local(src):
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise CliError(
+                f"{label} {src!r} is not a folder. Pass a checkpoint folder (with config.json) or a Hub id."
+            )
+        if not (path / "config.json").is_file():
+            raise CliError(f"{label} {src!r} has no config.json: it is not a transformers checkpoint folder.")
+        try:
+            json.loads((path / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CliError(f"{label} {src!r} has a config.json that is not valid JSON ({error}).") from error
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(src)
+    except OSError as error:
+        raise CliError(
+            f"Could not read the config of {label} {src!r}: {error} "
+            "Pass a checkpoint folder or a Hub id you can reach."
+        ) from error
+    except ValueError as error:
+        raise CliError(f"{label} {src!r} has a config.json that transformers cannot read ({error}).") from error
+    if "model_type" not in config_dict:
+        raise CliError(f"{label} {src!r}: config.json has no model_type; hf_alibi cannot tell its architecture.")
+    return config_dict
+
+
+def model_class_for(config_dict: dict):
+    """The transformers class to load SRC with: its ``architectures`` entry if the registry converts it,
+    else the first Auto class of the architecture (causal LM, seq2seq LM, masked LM, then the bare model)."""
+    import transformers
+
+    import hf_alibi
+    from hf_alibi.hub import auto_classes_for
+
+    model_type = config_dict["model_type"]
+    if model_type.startswith("alibi_"):
+        raise CliError(f"SRC is already an ALiBi checkpoint (model_type {model_type!r}); there is nothing to convert.")
+    try:
+        spec = hf_alibi.get_spec(model_type)
+    except ValueError as error:
+        raise CliError(str(error)) from error
+    convertible = {cls.__name__: cls for cls in spec.alibi_classes}
+    for name in config_dict.get("architectures") or []:
+        if name in convertible:
+            return convertible[name]
+    auto = auto_classes_for(model_type)
+    for auto_name in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"):
+        if auto_name in auto and hasattr(transformers, auto[auto_name]):
+            return getattr(transformers, auto[auto_name])
+    raise CliError(f"hf_alibi found no model class to load {model_type!r} with.")
+
+
+def _has_tokenizer(src: str) -> bool | None:
+    """True/False for a local folder; None (unknown: try) for a Hub id."""
+    if _is_local(src):
+        return any((Path(src).expanduser() / name).is_file() for name in TOKENIZER_FILES)
+    return None
+
+
+def _check_paths(src: str, out: Path, overwrite: bool) -> None:
+    out_resolved = out.expanduser().resolve()
+    if _is_local(src):
+        src_resolved = Path(src).expanduser().resolve()
+        if (
+            out_resolved == src_resolved
+            or src_resolved in out_resolved.parents
+            or out_resolved in src_resolved.parents
+        ):
+            raise CliError(f"OUT {str(out)!r} overlaps SRC {src!r}; hf_alibi never writes into SRC. Pick another OUT.")
+    if out.exists() and not out.is_dir():
+        raise CliError(f"OUT {str(out)!r} exists and is not a folder.")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CliError(
+            f"OUT {str(out)!r} exists and is not empty. Pass --overwrite to replace it, or pick another OUT."
+        )
+
+
+def convert(
+    src: str,
+    out: str | os.PathLike,
+    heads: int | None = None,
+    encoder_variant: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
+
+    The folder is written next to ``out`` first and moved in place at the end, so a failure leaves
+    no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
+    """
+    import hf_alibi
+    from hf_alibi.hub import finish_folder
+
+    out = Path(out)
+    _check_paths(src, out, overwrite)
+    config_dict = _load_config_dict(src)
+    model_cls = model_class_for(config_dict)
+    try:
+        model = model_cls.from_pretrained(src)
+    except Exception as error:
+        raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
+    try:
+        hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant)
+    except ValueError as error:
+        raise CliError(str(error)) from error
+
+    tokenizer = None
+    has_tokenizer = _has_tokenizer(src)
+    if has_tokenizer is not False:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src)
+        except Exception as error:
+            if has_tokenizer:
+                raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
+
+    out.expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.expanduser().resolve().parent))
+    try:
+        model.save_pretrained(staging)  # safetensors, config.json, modeling_alibi.py, auto_map
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        base_model = None if _is_local(src) else src
+        (staging / "README.md").unlink(missing_ok=True)
+        finish_folder(staging, model.config, base_model=base_model)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def describe(path: str) -> dict:
+    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict."""
+    import hf_alibi
+
+    config_dict = _load_config_dict(path, label="PATH")
+    model_type = config_dict["model_type"]
+    alibi = config_dict.get("alibi")
+    info = {
+        "path": path,
+        "model_type": model_type,
+        "architectures": config_dict.get("architectures"),
+        "is_alibi": bool(alibi) and model_type.startswith("alibi_"),
+    }
+    if info["is_alibi"]:
+        settings = hf_alibi.AlibiSettings.from_dict(alibi)
+        info.update(settings.to_dict())
+        info["slopes"] = hf_alibi.get_slopes_list(settings.heads)
+        info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
+        if _is_local(path):
+            info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
+    else:
+        info["convertible"] = model_type in hf_alibi.supported_model_types()
+    if _is_local(path):
+        info["tokenizer"] = _has_tokenizer(path)
+    return info
+
+
+def _print_info(info: dict) -> None:
+    if info["is_alibi"]:
+        print(
+            f"{info['path']}: ALiBi checkpoint of {info['base_model_type']} ({', '.join(info['architectures'] or [])})"
+        )
+        print(f"  heads: {info['heads']}")
+        print(f"  encoder variant: {info['encoder_variant'] or 'none (causal self-attention only)'}")
+        print(f"  slopes: {', '.join(f'{s:.6g}' for s in info['slopes'])}")
+        print(f"  converted by hf_alibi {info['hf_alibi_version']}")
+        remote = "yes" if info["remote_code"] and info.get("remote_code_file", True) else "no"
+        print(f"  loadable without hf_alibi (trust_remote_code=True): {remote}")
+    else:
+        can = "can" if info["convertible"] else "cannot"
+        print(
+            f"{info['path']}: not an ALiBi checkpoint (model_type {info['model_type']!r}); hf_alibi {can} convert it."
+        )
+    if "tokenizer" in info:
+        print(f"  tokenizer: {'yes' if info['tokenizer'] else 'no'}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hf_alibi.slopes import ENCODER_VARIANTS
+
+    parser = argparse.ArgumentParser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    conv = commands.add_parser("convert", help="convert a checkpoint (folder or Hub id) to ALiBi")
+    conv.add_argument("src", metavar="SRC", help="checkpoint folder or Hub id; only read")
+    conv.add_argument("out", metavar="OUT", help="folder to write the ALiBi checkpoint to")
+    conv.add_argument("--heads", type=int, default=None, help="number of heads (must match the config; checked)")
+    conv.add_argument(
+        "--encoder-variant", choices=ENCODER_VARIANTS, default=None, help="bidirectional bias (default symmetric)"
+    )
+    conv.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    conv.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="then upload OUT to this Hub repo")
+    conv.add_argument("--private", action="store_true", help="create the Hub repo private")
+    conv.add_argument("--commit-message", default=None, help="commit message of the upload")
+
+    info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
+    info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
+    info.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "convert":
+            out = convert(args.src, args.out, args.heads, args.encoder_variant, args.overwrite)
+            print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+            if args.push_to_hub:
+                from hf_alibi.hub import push_folder
+
+                push_folder(out, args.push_to_hub, private=args.private or None, commit_message=args.commit_message)
+                print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
+        elif args.command == "info":
+            info = describe(args.path)
+            print(json.dumps(info, indent=2)) if args.json else _print_info(info)
+    except CliError as error:
+        parser.exit(2, f"hf-alibi: error: {error}\n")
+    except ConnectionError as error:
+        parser.exit(1, f"hf-alibi: error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Helpers of the sharing tests (CLI, remote code, Hub): tiny models per architecture, a local tokenizer,
+child processes that cannot import hf_alibi, folder hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import tiny
+import torch
+from tiny import VOCAB
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# model_type -> (builder of an unpatched tiny model, patch_model kwargs to test). Every registered
+# architecture must be here (a meta-test checks it): the remote code and CLI are tested on each.
+TINY_MODELS = {
+    "gpt2": (lambda: tiny.tiny_gpt2(n_positions=32), {}),
+}
+
+
+def example_inputs(model_type: str, model) -> dict:
+    """Inputs with padding (left for causal models, right for encoders) so the mask merge is exercised."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (2, 24), generator=generator)
+    mask = torch.ones_like(ids)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if model.config.is_encoder_decoder:
+        mask[1, 18:] = 0
+        inputs["decoder_input_ids"] = torch.randint(1, VOCAB, (2, 20), generator=generator)
+    elif getattr(model.config, "is_decoder", False) or model_type in ("gpt2", "gpt_neox"):
+        mask[1, :5] = 0
+    else:
+        mask[1, 18:] = 0
+    return inputs
+
+
+def output_tensor(output) -> torch.Tensor:
+    """The main output of any head: logits when present, else the last hidden state."""
+    for name in ("logits", "prediction_logits", "start_logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    raise AssertionError(f"no tensor output in {type(output).__name__}")
+
+
+def make_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of VOCAB tokens (built locally: nothing can be downloaded), saved in ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>")
+    tokenizer.save_pretrained(folder)
+
+
+def folder_hash(folder: Path) -> str:
+    """sha256 over every file's relative path, bytes and mode: any change to ``folder`` changes it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).rglob("*")):
+        digest.update(str(path.relative_to(folder)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+            digest.update(str(path.stat().st_mode).encode())
+    return digest.hexdigest()
+
+
+# Run before the child's code: hf_alibi cannot be imported, whatever installs it (the editable install's
+# meta-path finder, PYTHONPATH, the cwd).
+BLOCK_HF_ALIBI = """
+import importlib.abc, sys
+class _NoHfAlibi(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_alibi" or name.startswith("hf_alibi."):
+            raise ImportError("hf_alibi is blocked in this process")
+sys.meta_path.insert(0, _NoHfAlibi())
+try:
+    import hf_alibi
+    raise SystemExit("hf_alibi could be imported: the test would prove nothing")
+except ImportError:
+    pass
+"""
+
+
+def run_child(code: str, cwd: Path, hf_home: Path, block_hf_alibi: bool) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python; with ``block_hf_alibi`` the child cannot import hf_alibi."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "HF_HUB_OFFLINE")}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if not block_hf_alibi:
+        env["PYTHONPATH"] = str(REPO_ROOT)
+    code = (BLOCK_HF_ALIBI if block_hf_alibi else "") + textwrap.dedent(code)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,  # transformers asks on stdin whether to trust remote code
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def last_json_line(stdout: str) -> dict:
+    line = stdout.strip().splitlines()[-1]
+    return json.loads(line[line.index("{") :])  # transformers' trust prompt may precede it on the line

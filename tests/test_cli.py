@@ -1,0 +1,218 @@
+"""``hf-alibi convert`` / ``info``: every registered architecture, the model card, bad inputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from sharing import REPO_ROOT, TINY_MODELS, example_inputs, folder_hash, make_tokenizer, output_tensor
+from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+import hf_alibi
+from hf_alibi import cli
+from hf_alibi.hub import auto_classes_for
+
+ARCHITECTURES = sorted(TINY_MODELS)
+
+
+def run_cli(*argv, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what came before (progress bars)
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def source(request, tmp_path_factory):
+    """An unpatched tiny checkpoint with a tokenizer, as a user would have on disk."""
+    model_type = request.param
+    folder = tmp_path_factory.mktemp(f"src_{model_type}")
+    TINY_MODELS[model_type][0]().save_pretrained(folder)
+    make_tokenizer(folder)
+    return model_type, folder
+
+
+@pytest.fixture(scope="module")
+def converted(source, tmp_path_factory):
+    model_type, src = source
+    out = tmp_path_factory.mktemp(f"out_{model_type}") / "alibi"
+    before = folder_hash(src)
+    kwargs = TINY_MODELS[model_type][1]
+    argv = ["convert", src, out] + [f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items()]
+    assert cli.main([str(a) for a in argv]) == 0
+    assert folder_hash(src) == before, "convert modified SRC"
+    return model_type, src, out
+
+
+def test_convert_writes_a_complete_alibi_checkpoint(converted):
+    model_type, src, out = converted
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_alibi.py", "README.md", "tokenizer.json"} <= names
+    assert not any(name.endswith(".bin") for name in names)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == f"alibi_{model_type}"
+    assert config["alibi"]["base_model_type"] == model_type
+    assert set(config["auto_map"]) == {"AutoConfig", *auto_classes_for(model_type)}
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("w1 w5 w96")["input_ids"] == AutoTokenizer.from_pretrained(src)("w1 w5 w96")["input_ids"]
+
+
+def test_converted_checkpoint_equals_patch_model_of_the_source(converted):
+    model_type, src, out = converted
+    build_kwargs = TINY_MODELS[model_type][1]
+    original_class = cli.model_class_for(json.loads((src / "config.json").read_text()))
+    reference = hf_alibi.patch_model(original_class.from_pretrained(src), **build_kwargs).eval()
+    loaded = type(reference).from_pretrained(out).eval()
+    assert type(loaded) is type(reference)
+    inputs = example_inputs(model_type, reference)
+    with torch.no_grad():
+        assert torch.equal(output_tensor(loaded(**inputs)), output_tensor(reference(**inputs)))
+
+
+def test_model_card_header_parses(converted):
+    model_type, src, out = converted
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers"
+    assert {"alibi", "hf_alibi", model_type} <= set(card.data.tags)
+    assert card.data.base_model is None  # a local SRC is no Hub id
+    settings = json.loads((out / "config.json").read_text())["alibi"]
+    assert f"| `heads` | `{settings['heads']}` |" in card.text
+    assert "trust_remote_code=True" in card.text
+
+
+def test_info_reports_the_settings(converted, capsys):
+    model_type, src, out = converted
+    code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)
+    assert code == 0
+    info = json.loads(stdout)
+    settings = json.loads((out / "config.json").read_text())["alibi"]
+    assert info["is_alibi"] is True and info["base_model_type"] == model_type
+    assert (info["heads"], info["encoder_variant"]) == (settings["heads"], settings["encoder_variant"])
+    assert info["slopes"] == hf_alibi.get_slopes_list(settings["heads"])
+    assert info["remote_code_file"] is True and info["tokenizer"] is True
+
+    code, stdout, _ = run_cli("info", src, "--json", capsys=capsys)
+    assert code == 0
+    assert json.loads(stdout) | {} == json.loads(stdout) and json.loads(stdout)["is_alibi"] is False
+    assert json.loads(stdout)["convertible"] is True
+
+    code, stdout, _ = run_cli("info", out, capsys=capsys)
+    assert code == 0 and f"ALiBi checkpoint of {model_type}" in stdout
+
+
+def test_console_script_is_declared_and_runs_as_a_module(converted):
+    assert '[project.scripts]\nhf-alibi = "hf_alibi.cli:main"\n' in (REPO_ROOT / "pyproject.toml").read_text()
+    _, _, out = converted
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_alibi", "info", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ALiBi checkpoint of" in result.stdout
+
+
+def test_convert_with_encoder_variant_for_a_decoder_only_model_is_refused(tmp_path, capsys):
+    src = tmp_path / "src"
+    TINY_MODELS["gpt2"][0]().save_pretrained(src)
+    code, _, err = run_cli("convert", src, tmp_path / "out", "--encoder-variant", "learned", capsys=capsys)
+    assert code == 2 and "decoder-only" in err
+    code, _, err = run_cli("convert", src, tmp_path / "out", "--heads", "3", capsys=capsys)
+    assert code == 2 and "heads=3" in err
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+@pytest.fixture
+def gpt2_src(tmp_path):
+    src = tmp_path / "src"
+    TINY_MODELS["gpt2"][0]().save_pretrained(src)
+    make_tokenizer(src)
+    return src
+
+
+def _break_config(src):
+    (src / "config.json").write_text('{"model_type": "gpt2", ')
+
+
+def _break_weights(src):
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _no_config(src):
+    (src / "config.json").unlink()
+
+
+def _unsupported(src):
+    for path in src.iterdir():
+        path.unlink()
+    OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2)).save_pretrained(
+        src
+    )
+
+
+def _already_alibi(src):
+    model = hf_alibi.patch_model(TINY_MODELS["gpt2"][0]())
+    for path in src.iterdir():
+        path.unlink()
+    model.save_pretrained(src)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_break_config, "not valid JSON"),
+        (_break_weights, "Could not load the model from SRC"),
+        (_no_config, "has no config.json"),
+        (_unsupported, "cannot convert model_type='opt'. Supported model types: " + ", ".join(ARCHITECTURES)),
+        (_already_alibi, "already an ALiBi checkpoint"),
+    ],
+    ids=["corrupt-config", "corrupt-weights", "no-config", "unsupported", "already-alibi"],
+)
+def test_bad_source_is_a_clear_error_and_nothing_is_written(gpt2_src, tmp_path, capsys, damage, message):
+    damage(gpt2_src)
+    before = folder_hash(gpt2_src)
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", gpt2_src, out, capsys=capsys)
+    assert code == 2
+    assert err.startswith("hf-alibi: error: ") and message in err, err
+    assert not out.exists()
+    assert folder_hash(gpt2_src) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no staging folder left
+
+
+def test_missing_source(tmp_path, capsys):
+    code, _, err = run_cli("convert", tmp_path / "nothing", tmp_path / "out", capsys=capsys)
+    assert code == 2 and "is not a folder" in err
+    code, _, err = run_cli("info", tmp_path / "nothing", capsys=capsys)
+    assert code == 2 and "PATH" in err and "is not a folder" in err
+
+
+def test_existing_out_needs_overwrite(gpt2_src, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    before_src, before_out = folder_hash(gpt2_src), folder_hash(out)
+    code, _, err = run_cli("convert", gpt2_src, out, capsys=capsys)
+    assert code == 2 and "--overwrite" in err
+    assert folder_hash(out) == before_out and folder_hash(gpt2_src) == before_src
+
+    code, _, _ = run_cli("convert", gpt2_src, out, "--overwrite", capsys=capsys)
+    assert code == 0
+    assert not (out / "keep.txt").exists() and (out / "modeling_alibi.py").exists()
+    assert folder_hash(gpt2_src) == before_src
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_out_overlapping_src_is_refused(gpt2_src, capsys, where):
+    before = folder_hash(gpt2_src)
+    out = gpt2_src if where == "same" else gpt2_src / "alibi"
+    code, _, err = run_cli("convert", gpt2_src, out, "--overwrite", capsys=capsys)
+    assert code == 2 and "never writes into SRC" in err
+    assert folder_hash(gpt2_src) == before

@@ -1,0 +1,170 @@
+"""The checkpoint's own code (``trust_remote_code=True``) rebuilds the same ALiBi model without hf_alibi."""
+
+import ast
+import json
+
+import pytest
+import torch
+from sharing import TINY_MODELS, example_inputs, last_json_line, output_tensor, run_child
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import hf_alibi
+from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
+from hf_alibi.remote import modeling_alibi
+
+ARCHITECTURES = sorted(TINY_MODELS)
+
+
+def test_every_registered_architecture_has_remote_code_and_tests():
+    assert sorted(hf_alibi.supported_model_types()) == ARCHITECTURES
+    assert sorted(modeling_alibi.CONVERTERS) == ARCHITECTURES
+    for model_type in ARCHITECTURES:
+        # the same config fields are removed by hf_alibi and by the remote code
+        assert modeling_alibi.CONVERTERS[model_type][1] == hf_alibi.get_spec(model_type).removed_config_fields
+
+
+def test_remote_code_imports_only_torch_and_transformers():
+    tree = ast.parse(REMOTE_CODE_FILE.read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative imports would need more files in the checkpoint"
+            modules.add(node.module.split(".")[0])
+    assert modules == {"__future__", "math", "torch", "transformers"}
+
+
+def test_remote_slopes_and_bias_equal_hf_alibis():
+    for heads in (1, 4, 6, 8, 12, 16):
+        assert torch.equal(modeling_alibi.get_slopes(heads), hf_alibi.get_slopes(heads))
+    slopes = hf_alibi.get_slopes(6)
+    left, right = -torch.rand(6), -torch.rand(6)
+    for kind in ("causal", "symmetric", "nonsymmetric"):
+        for q_len, kv_len in ((7, 7), (1, 9), (3, 9)):
+            assert torch.equal(
+                modeling_alibi.alibi_bias(kind, q_len, kv_len, slopes),
+                hf_alibi.alibi_bias(kind, q_len, kv_len, slopes),
+            )
+    assert torch.equal(
+        modeling_alibi.alibi_bias("learned", 5, 5, left, right),
+        hf_alibi.alibi_bias("learned", 5, 5, left, slopes_right=right),
+    )
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def saved(request, tmp_path_factory):
+    """A patched tiny model saved with save_pretrained, its inputs, and hf_alibi's outputs."""
+    model_type = request.param
+    build, patch_kwargs = TINY_MODELS[model_type]
+    original = build()
+    inputs = example_inputs(model_type, original)
+    with torch.no_grad():
+        original_out = output_tensor(original(**inputs))
+    model = hf_alibi.patch_model(original, **patch_kwargs)
+    folder = tmp_path_factory.mktemp(f"remote_{model_type}")
+    model.save_pretrained(folder)
+    expected = {"inputs": inputs}
+    with torch.no_grad():
+        expected["sdpa"] = output_tensor(model(**inputs))
+        model.set_attn_implementation("eager")
+        expected["eager"] = output_tensor(model(**inputs))
+        if model.can_generate():
+            prompt = inputs["input_ids"][:1, :6]
+            expected["generated"] = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    # converting changed the numbers: the comparison below cannot pass by loading the original model
+    assert not torch.allclose(expected["sdpa"], original_out, atol=1e-3)
+    torch.save(expected, folder / "expected.pt")
+    auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == type(build()).__name__)
+    return model_type, folder, auto_name
+
+
+CHILD_COMPARE = """
+import json, sys, torch, transformers
+expected = torch.load("expected.pt")
+model = getattr(transformers, AUTO).from_pretrained(".", trust_remote_code=True).eval()
+report = {"class": type(model).__name__, "module": type(model).__module__,
+          "attn": model.config._attn_implementation, "hf_alibi_loaded": "hf_alibi" in sys.modules}
+def diff(name):
+    with torch.no_grad():
+        out = model(**expected["inputs"])
+    out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+               if getattr(out, n, None) is not None)
+    report[name] = (out - expected[name]).abs().max().item()
+diff("sdpa")
+if "generated" in expected:
+    prompt = expected["inputs"]["input_ids"][:1, :6]
+    report["generated_equal"] = torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
+                                            expected["generated"])
+model.set_attn_implementation("eager")
+report["attn_eager"] = model.config._attn_implementation
+diff("eager")
+print(json.dumps(report))
+"""
+
+
+def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, tmp_path):
+    model_type, folder, auto_name = saved
+    result = run_child(f"AUTO = {auto_name!r}\n" + CHILD_COMPARE, folder, tmp_path / "hf", block_hf_alibi=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = last_json_line(result.stdout)
+    assert report["hf_alibi_loaded"] is False
+    assert report["module"].startswith("transformers_modules.") and report["module"].endswith(".modeling_alibi")
+    assert report["class"] == "Alibi" + auto_classes_for(model_type)[auto_name]
+    assert report["attn"] == "alibi_remote_sdpa" and report["attn_eager"] == "alibi_remote_eager"
+    assert report["sdpa"] <= 1e-5, report
+    assert report["eager"] <= 1e-5, report
+    if "generated_equal" in report:
+        assert report["generated_equal"], report
+
+
+def test_without_trust_remote_code_loading_fails_clearly(saved, tmp_path):
+    model_type, folder, auto_name = saved
+    base_class = auto_classes_for(model_type)[auto_name]
+    code = f"""
+    import json, transformers
+    results = {{}}
+    for loader in ("{auto_name}", "{base_class}"):
+        try:
+            getattr(transformers, loader).from_pretrained(".")
+            results[loader] = "LOADED"
+        except Exception as error:
+            results[loader] = type(error).__name__ + ": " + str(error)
+    print(json.dumps(results))
+    """
+    result = run_child(code, folder, tmp_path / "hf", block_hf_alibi=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = last_json_line(result.stdout)
+    # the Auto class sees the remote code and asks for trust_remote_code
+    assert "trust_remote_code=True" in results[auto_name], results
+    # the original class is refused by the marker in place of the removed position-table size
+    assert "removed by hf_alibi" in results[base_class], results
+
+
+def test_remote_code_never_replaces_hf_alibis_functions(saved, tmp_path, monkeypatch):
+    model_type, folder, auto_name = saved
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    before = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("alibi_sdpa", "alibi_eager")}
+    class_ref = f"modeling_alibi.Alibi{auto_classes_for(model_type)[auto_name]}"
+    remote_cls = get_class_from_dynamic_module(class_ref, str(folder))
+    assert remote_cls.__module__.endswith("modeling_alibi") and not remote_cls.__module__.startswith("hf_alibi")
+    assert {name: ALL_ATTENTION_FUNCTIONS[name] for name in before} == before
+    assert "alibi_remote_sdpa" in ALL_ATTENTION_FUNCTIONS and "alibi_remote_eager" in ALL_ATTENTION_FUNCTIONS
+    # with hf_alibi imported, transformers prefers the registered (local) hf_alibi classes, trusted or not
+    import transformers
+
+    model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True)
+    assert type(model).__module__ == "hf_alibi.models"
+    assert model.config._attn_implementation == "alibi_sdpa"
+
+
+def test_saved_config_points_auto_map_at_the_remote_code(saved):
+    model_type, folder, auto_name = saved
+    config = json.loads((folder / "config.json").read_text())
+    assert (folder / "modeling_alibi.py").read_text() == REMOTE_CODE_FILE.read_text()
+    auto_map = config["auto_map"]
+    assert auto_map["AutoConfig"].startswith("modeling_alibi.Alibi") and auto_map["AutoConfig"].endswith("Config")
+    for name, class_name in auto_classes_for(model_type).items():
+        assert auto_map[name] == f"modeling_alibi.Alibi{class_name}"
+        assert getattr(modeling_alibi, "Alibi" + class_name).__name__ == "Alibi" + class_name
