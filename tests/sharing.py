@@ -9,34 +9,57 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import tiny
 import torch
 from tiny import VOCAB
 
+import hf_alibi
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# model_type -> (builder of an unpatched tiny model, patch_model kwargs to test). Every registered
-# architecture must be here (a meta-test checks it): the remote code and CLI are tested on each.
-TINY_MODELS = {
-    "gpt2": (lambda: tiny.tiny_gpt2(n_positions=32), {}),
-}
+try:  # the registry's parametrized cases (tests/arch_cases.py), when present
+    from arch_cases import CASES
+except ImportError:
+    CASES = None
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """One tiny configuration to test sharing on: ``make()`` builds the unpatched model."""
+
+    name: str
+    model_type: str
+    make: Callable[[], torch.nn.Module]
+    variants: tuple[str | None, ...]  # encoder variants to test (None: decoder-only)
+
+
+if CASES is None:
+    TINY = [Tiny("gpt2", "gpt2", lambda: tiny.tiny_gpt2(n_positions=32), (None,))]
+else:
+    TINY = [Tiny(case.name, case.model_type, case.make, case.variants) for case in CASES]
+# One configuration per model type, for the CLI (default settings).
+TINY_BY_TYPE = {}
+for _tiny in TINY:
+    TINY_BY_TYPE.setdefault(_tiny.model_type, _tiny)
 
 
 def example_inputs(model_type: str, model) -> dict:
     """Inputs with padding (left for causal models, right for encoders) so the mask merge is exercised."""
     generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, VOCAB, (2, 24), generator=generator)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=generator)  # within the originals' 16 positions
     mask = torch.ones_like(ids)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if model.config.is_encoder_decoder:
-        mask[1, 18:] = 0
-        inputs["decoder_input_ids"] = torch.randint(1, VOCAB, (2, 20), generator=generator)
-    elif getattr(model.config, "is_decoder", False) or model_type in ("gpt2", "gpt_neox"):
-        mask[1, :5] = 0
+        mask[1, 9:] = 0
+        inputs["decoder_input_ids"] = torch.randint(1, VOCAB, (2, 10), generator=generator)
+    elif getattr(model.config, "is_decoder", False) or not hf_alibi.get_spec(model_type).bidirectional:
+        mask[1, :4] = 0
     else:
-        mask[1, 18:] = 0
+        mask[1, 9:] = 0
     return inputs
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.hf_api import RepoUrl
-from sharing import REPO_ROOT, TINY_MODELS, example_inputs, folder_hash, last_json_line, make_tokenizer, run_child
+from sharing import REPO_ROOT, TINY_BY_TYPE, example_inputs, folder_hash, last_json_line, make_tokenizer, run_child
 
 import hf_alibi
 from hf_alibi import cli
@@ -73,7 +73,7 @@ print(json.dumps({"module": type(model).__module__, "diff": (logits - expected["
 
 
 def test_push_to_hub_uploads_a_folder_that_loads_with_and_without_hf_alibi(fake_hub, tmp_path):
-    model = hf_alibi.patch_model(TINY_MODELS["gpt2"][0]())
+    model = hf_alibi.patch_model(TINY_BY_TYPE["gpt2"].make())
     inputs = example_inputs("gpt2", model)
     with torch.no_grad():
         expected = {"inputs": inputs, "logits": model(**inputs).logits}
@@ -102,7 +102,7 @@ def test_push_to_hub_uploads_a_folder_that_loads_with_and_without_hf_alibi(fake_
 
 
 def test_save_pretrained_with_push_to_hub_uploads_the_remote_code(fake_hub, tmp_path):
-    model = hf_alibi.patch_model(TINY_MODELS["gpt2"][0]())
+    model = hf_alibi.patch_model(TINY_BY_TYPE["gpt2"].make())
     model.save_pretrained(tmp_path / "saved", push_to_hub=True, repo_id="me/saved", commit_message="via save")
     (upload,) = fake_hub.uploads
     assert upload["repo_id"] == "me/saved" and upload["commit_message"] == "via save"
@@ -112,7 +112,7 @@ def test_save_pretrained_with_push_to_hub_uploads_the_remote_code(fake_hub, tmp_
 
 def test_cli_push_uploads_exactly_out(fake_hub, tmp_path, monkeypatch, capsys):
     src, out = tmp_path / "src", tmp_path / "out"
-    TINY_MODELS["gpt2"][0]().save_pretrained(src)
+    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
     make_tokenizer(src)
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     code = cli.main(["convert", str(src), str(out), "--push-to-hub", "me/cli", "--private", "--commit-message", "m"])
@@ -126,7 +126,7 @@ def test_cli_push_uploads_exactly_out(fake_hub, tmp_path, monkeypatch, capsys):
 
 def test_offline_push_fails_with_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    model = hf_alibi.patch_model(TINY_MODELS["gpt2"][0]())
+    model = hf_alibi.patch_model(TINY_BY_TYPE["gpt2"].make())
     with pytest.raises(HubConnectionError) as error:
         model.push_to_hub("me/offline")
     message = str(error.value)
@@ -136,7 +136,7 @@ def test_offline_push_fails_with_a_clear_message(tmp_path, monkeypatch):
 
 def test_network_error_during_upload_is_reported_with_the_folder(tmp_path, monkeypatch, capsys):
     src, out = tmp_path / "src", tmp_path / "out"
-    TINY_MODELS["gpt2"][0]().save_pretrained(src)
+    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
     monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"))
 
     def upload_folder(api, **kwargs):
@@ -155,7 +155,7 @@ def test_network_error_during_upload_is_reported_with_the_folder(tmp_path, monke
 def test_convert_from_a_hub_id_offline_cache(tmp_path):
     """SRC as a Hub id, resolved from a local Hub cache (offline): base_model lands in the card header."""
     snapshot = tmp_path / "hf" / "hub" / "models--someone--tiny-gpt2" / "snapshots" / ("0" * 40)
-    TINY_MODELS["gpt2"][0]().save_pretrained(snapshot)
+    TINY_BY_TYPE["gpt2"].make().save_pretrained(snapshot)
     make_tokenizer(snapshot)
     refs = snapshot.parent.parent / "refs"
     refs.mkdir()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from sharing import TINY_MODELS, example_inputs, last_json_line, output_tensor, run_child
+from sharing import TINY, TINY_BY_TYPE, example_inputs, last_json_line, output_tensor, run_child
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -13,12 +13,12 @@ import hf_alibi
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
 from hf_alibi.remote import modeling_alibi
 
-ARCHITECTURES = sorted(TINY_MODELS)
+ARCHITECTURES = sorted(TINY_BY_TYPE)
 
 
 def test_every_registered_architecture_has_remote_code_and_tests():
     assert sorted(hf_alibi.supported_model_types()) == ARCHITECTURES
-    assert sorted(modeling_alibi.CONVERTERS) == ARCHITECTURES
+    assert set(ARCHITECTURES) <= set(modeling_alibi.CONVERTERS)
     for model_type in ARCHITECTURES:
         # the same config fields are removed by hf_alibi and by the remote code
         assert modeling_alibi.CONVERTERS[model_type][1] == hf_alibi.get_spec(model_type).removed_config_fields
@@ -33,7 +33,7 @@ def test_remote_code_imports_only_torch_and_transformers():
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "relative imports would need more files in the checkpoint"
             modules.add(node.module.split(".")[0])
-    assert modules == {"__future__", "math", "torch", "transformers"}
+    assert modules == {"__future__", "copy", "math", "torch", "transformers"}
 
 
 def test_remote_slopes_and_bias_equal_hf_alibis():
@@ -53,74 +53,87 @@ def test_remote_slopes_and_bias_equal_hf_alibis():
     )
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+def _variant_dir(variant) -> str:
+    return variant or "causal"
+
+
+@pytest.fixture(scope="module", params=TINY, ids=[t.name for t in TINY])
 def saved(request, tmp_path_factory):
-    """A patched tiny model saved with save_pretrained, its inputs, and hf_alibi's outputs."""
-    model_type = request.param
-    build, patch_kwargs = TINY_MODELS[model_type]
-    original = build()
-    inputs = example_inputs(model_type, original)
-    with torch.no_grad():
-        original_out = output_tensor(original(**inputs))
-    model = hf_alibi.patch_model(original, **patch_kwargs)
-    folder = tmp_path_factory.mktemp(f"remote_{model_type}")
-    model.save_pretrained(folder)
-    expected = {"inputs": inputs}
-    with torch.no_grad():
-        expected["sdpa"] = output_tensor(model(**inputs))
-        model.set_attn_implementation("eager")
-        expected["eager"] = output_tensor(model(**inputs))
-        if model.can_generate():
-            prompt = inputs["input_ids"][:1, :6]
-            expected["generated"] = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    # converting changed the numbers: the comparison below cannot pass by loading the original model
-    assert not torch.allclose(expected["sdpa"], original_out, atol=1e-3)
-    torch.save(expected, folder / "expected.pt")
-    auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == type(build()).__name__)
-    return model_type, folder, auto_name
+    """Per encoder variant: a patched tiny model saved with save_pretrained, its inputs, hf_alibi's outputs."""
+    case = request.param
+    root = tmp_path_factory.mktemp(f"remote_{case.name}")
+    for variant in case.variants:
+        original = case.make()
+        inputs = example_inputs(case.model_type, original)
+        with torch.no_grad():
+            original_out = output_tensor(original(**inputs))
+        model = hf_alibi.patch_model(original, encoder_variant=variant)
+        folder = root / _variant_dir(variant)
+        model.save_pretrained(folder)
+        expected = {"inputs": inputs}
+        with torch.no_grad():
+            expected["sdpa"] = output_tensor(model(**inputs))
+            if model.can_generate():
+                prompt = {"input_ids": inputs["input_ids"][:1, :6]}
+                expected["generated"] = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+            model.set_attn_implementation("eager")
+            expected["eager"] = output_tensor(model(**inputs))
+        # converting changed the numbers: the comparison below cannot pass by loading the original model
+        assert not torch.allclose(expected["sdpa"], original_out, atol=1e-3)
+        torch.save(expected, folder / "expected.pt")
+    auto_name = next(a for a, c in auto_classes_for(case.model_type).items() if c == type(case.make()).__name__)
+    return case, root, auto_name
 
 
 CHILD_COMPARE = """
-import json, sys, torch, transformers
-expected = torch.load("expected.pt")
-model = getattr(transformers, AUTO).from_pretrained(".", trust_remote_code=True).eval()
-report = {"class": type(model).__name__, "module": type(model).__module__,
-          "attn": model.config._attn_implementation, "hf_alibi_loaded": "hf_alibi" in sys.modules}
-def diff(name):
-    with torch.no_grad():
-        out = model(**expected["inputs"])
-    out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
-               if getattr(out, n, None) is not None)
-    report[name] = (out - expected[name]).abs().max().item()
-diff("sdpa")
-if "generated" in expected:
-    prompt = expected["inputs"]["input_ids"][:1, :6]
-    report["generated_equal"] = torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
-                                            expected["generated"])
-model.set_attn_implementation("eager")
-report["attn_eager"] = model.config._attn_implementation
-diff("eager")
-print(json.dumps(report))
+import json, os, sys, torch, transformers
+reports = {}
+for variant in VARIANTS:
+    os.chdir(os.path.join(ROOT, variant))
+    expected = torch.load("expected.pt")
+    model = getattr(transformers, AUTO).from_pretrained(".", trust_remote_code=True).eval()
+    report = reports[variant] = {"class": type(model).__name__, "module": type(model).__module__,
+                                 "attn": model.config._attn_implementation}
+    def diff(name):
+        with torch.no_grad():
+            out = model(**expected["inputs"])
+        out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+                   if getattr(out, n, None) is not None)
+        report[name] = (out - expected[name]).abs().max().item()
+    diff("sdpa")
+    if "generated" in expected:
+        prompt = {"input_ids": expected["inputs"]["input_ids"][:1, :6]}
+        generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+        report["generated_equal"] = torch.equal(generated, expected["generated"])
+    model.set_attn_implementation("eager")
+    report["attn_eager"] = model.config._attn_implementation
+    diff("eager")
+print(json.dumps({"hf_alibi_loaded": "hf_alibi" in sys.modules, "reports": reports}))
 """
 
 
 def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, tmp_path):
-    model_type, folder, auto_name = saved
-    result = run_child(f"AUTO = {auto_name!r}\n" + CHILD_COMPARE, folder, tmp_path / "hf", block_hf_alibi=True)
+    case, root, auto_name = saved
+    variants = [_variant_dir(v) for v in case.variants]
+    prelude = f"AUTO = {auto_name!r}\nROOT = {str(root)!r}\nVARIANTS = {variants!r}\n"
+    result = run_child(prelude + CHILD_COMPARE, root, tmp_path / "hf", block_hf_alibi=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    report = last_json_line(result.stdout)
-    assert report["hf_alibi_loaded"] is False
-    assert report["module"].startswith("transformers_modules.") and report["module"].endswith(".modeling_alibi")
-    assert report["class"] == "Alibi" + auto_classes_for(model_type)[auto_name]
-    assert report["attn"] == "alibi_remote_sdpa" and report["attn_eager"] == "alibi_remote_eager"
-    assert report["sdpa"] <= 1e-5, report
-    assert report["eager"] <= 1e-5, report
-    if "generated_equal" in report:
-        assert report["generated_equal"], report
+    output = last_json_line(result.stdout)
+    assert output["hf_alibi_loaded"] is False
+    assert sorted(output["reports"]) == sorted(variants)
+    for variant, report in output["reports"].items():
+        assert report["module"].startswith("transformers_modules.") and report["module"].endswith(".modeling_alibi")
+        assert report["class"] == "Alibi" + auto_classes_for(case.model_type)[auto_name]
+        assert report["attn"] == "alibi_remote_sdpa" and report["attn_eager"] == "alibi_remote_eager"
+        assert report["sdpa"] <= 1e-5, (variant, report)
+        assert report["eager"] <= 1e-5, (variant, report)
+        if "generated_equal" in report:
+            assert report["generated_equal"], (variant, report)
 
 
 def test_without_trust_remote_code_loading_fails_clearly(saved, tmp_path):
-    model_type, folder, auto_name = saved
+    case, root, auto_name = saved
+    model_type, folder = case.model_type, root / _variant_dir(case.variants[0])
     base_class = auto_classes_for(model_type)[auto_name]
     code = f"""
     import json, transformers
@@ -143,7 +156,8 @@ def test_without_trust_remote_code_loading_fails_clearly(saved, tmp_path):
 
 
 def test_remote_code_never_replaces_hf_alibis_functions(saved, tmp_path, monkeypatch):
-    model_type, folder, auto_name = saved
+    case, root, auto_name = saved
+    model_type, folder = case.model_type, root / _variant_dir(case.variants[0])
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     before = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("alibi_sdpa", "alibi_eager")}
     class_ref = f"modeling_alibi.Alibi{auto_classes_for(model_type)[auto_name]}"
@@ -160,7 +174,8 @@ def test_remote_code_never_replaces_hf_alibis_functions(saved, tmp_path, monkeyp
 
 
 def test_saved_config_points_auto_map_at_the_remote_code(saved):
-    model_type, folder, auto_name = saved
+    case, root, auto_name = saved
+    model_type, folder = case.model_type, root / _variant_dir(case.variants[-1])
     config = json.loads((folder / "config.json").read_text())
     assert (folder / "modeling_alibi.py").read_text() == REMOTE_CODE_FILE.read_text()
     auto_map = config["auto_map"]

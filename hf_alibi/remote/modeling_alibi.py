@@ -19,6 +19,7 @@ variant has weights (``alibi.slopes_left`` / ``alibi.slopes_right``), loaded fro
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -145,9 +146,74 @@ def convert_gpt2(model, settings):
         block.attn.alibi = AlibiBias(CAUSAL, settings["heads"])
 
 
+class NoRotaryEmbedding(nn.Module):
+    """Stands where GPT-NeoX's rotary embedding was: ``(cos, sin)`` of width 0, so nothing is rotated."""
+
+    def forward(self, x, position_ids):
+        empty = x.new_empty((*position_ids.shape, 0))  # (B, L, 0)
+        return empty, empty
+
+
+def convert_gpt_neox(model, settings):
+    base = model.base_model  # GPTNeoXModel
+    base.rotary_emb = NoRotaryEmbedding()
+    for layer in base.layers:
+        layer.attention.rotary_ndims = 0
+        layer.attention.alibi = AlibiBias(CAUSAL, settings["heads"])
+
+
+def _default_token_types(module, args, kwargs):
+    # BERT's default token types are read from a buffer of max_position_embeddings: zeros of any length instead.
+    if kwargs.get("token_type_ids") is None:
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        shape, device = (ids.shape, ids.device) if ids is not None else (embeds.shape[:-1], embeds.device)
+        kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
+    return args, kwargs
+
+
+def convert_bert(model, settings):
+    base = model.base_model  # BertModel
+    base.embeddings.position_embeddings = NoPositionEmbedding()
+    base.embeddings.register_forward_pre_hook(_default_token_types, with_kwargs=True)
+    for layer in base.encoder.layer:
+        attention = layer.attention.self
+        kind = CAUSAL if attention.is_causal else settings["encoder_variant"]  # BERT as a decoder: causal
+        attention.alibi = AlibiBias(kind, settings["heads"])
+
+
+T5_REMOVED = ("relative_attention_num_buckets", "relative_attention_max_distance")
+
+
+def convert_t5(model, settings):
+    base = model.base_model  # T5ForConditionalGeneration itself, or the T5Model / T5EncoderModel inside
+    for stack in (getattr(base, "encoder", None), getattr(base, "decoder", None)):
+        if stack is None:
+            continue
+        old = stack.config
+        if old is not model.config:  # each stack holds a config copy: it gets an ALiBi copy of its own
+            new = copy.deepcopy(old)
+            new.__class__ = type(model.config)
+            new.alibi = dict(model.config.alibi)
+            for name in T5_REMOVED:
+                setattr(new, name, None)
+            for module in stack.modules():
+                if getattr(module, "config", None) is old:
+                    module.config = new
+        kind = CAUSAL if stack.is_decoder else settings["encoder_variant"]
+        for block in stack.block:
+            attention = block.layer[0].SelfAttention  # cross-attention (layer[1]) gets no bias
+            if attention.has_relative_attention_bias:
+                del attention.relative_attention_bias
+                attention.has_relative_attention_bias = False
+            attention.alibi = AlibiBias(kind, settings["heads"])
+
+
 # model_type -> (convert function, config fields sizing the removed position path)
 CONVERTERS = {
+    "bert": (convert_bert, ("max_position_embeddings",)),
     "gpt2": (convert_gpt2, ("n_positions",)),
+    "gpt_neox": (convert_gpt_neox, ("max_position_embeddings",)),
+    "t5": (convert_t5, T5_REMOVED),
 }
 
 
