@@ -251,6 +251,11 @@ class AlibiPreTrainedMixin:
             for key in ("private", "commit_message", "commit_description", "token", "revision", "create_pr"):
                 if key in kwargs:
                     push_kwargs[key] = kwargs.pop(key)
+        # Weights are saved under this model's own parameter names. transformers' "original format"
+        # renames some back to the base checkpoint's (GPT-NeoX: lm_head -> embed_out) for models it
+        # loaded with a rename, but it looks the renames up by model_type, and "alibi_<type>" has none:
+        # such a checkpoint would reload with a freshly initialised lm_head.
+        kwargs.setdefault("save_original_format", False)
         result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if is_main_process and is_alibi_config(self.config):
             finish_folder(save_directory, self.config)
