@@ -6,8 +6,18 @@ import sys
 
 import pytest
 import torch
+import transformers
 from huggingface_hub import ModelCard
-from sharing import REPO_ROOT, TINY_BY_TYPE, example_inputs, folder_hash, make_tokenizer, output_tensor
+from sharing import (
+    REPO_ROOT,
+    TINY_BY_TYPE,
+    example_inputs,
+    folder_hash,
+    last_json_line,
+    make_tokenizer,
+    output_tensor,
+    run_child,
+)
 from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
 
 import hf_alibi
@@ -213,3 +223,28 @@ def test_out_overlapping_src_is_refused(gpt2_src, capsys, where):
     code, _, err = run_cli("convert", gpt2_src, out, "--overwrite", capsys=capsys)
     assert code == 2 and "never writes into SRC" in err
     assert folder_hash(gpt2_src) == before
+
+
+def test_converted_checkpoint_loads_without_hf_alibi(converted, tmp_path):
+    """The CLI's folder (converted from a checkpoint read with from_pretrained) loads with its own code."""
+    model_type, src, out = converted
+    model = cli.model_class_for(json.loads((src / "config.json").read_text())).__name__
+    auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == model)
+    reference = getattr(transformers, auto_name).from_pretrained(out).eval()  # hf_alibi's classes
+    inputs = example_inputs(model_type, reference)
+    with torch.no_grad():
+        torch.save({"inputs": inputs, "out": output_tensor(reference(**inputs))}, tmp_path / "expected.pt")
+    code = f"""
+    import json, torch, transformers
+    expected = torch.load({str(tmp_path / "expected.pt")!r})
+    model = transformers.{auto_name}.from_pretrained(".", trust_remote_code=True).eval()
+    with torch.no_grad():
+        out = model(**expected["inputs"])
+    names = ("logits", "prediction_logits", "last_hidden_state")
+    out = next(getattr(out, n) for n in names if getattr(out, n, None) is not None)
+    print(json.dumps({{"module": type(model).__module__, "diff": (out - expected["out"]).abs().max().item()}}))
+    """
+    result = run_child(code, out, tmp_path / "hf", block_hf_alibi=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = last_json_line(result.stdout)
+    assert report["module"].endswith("modeling_alibi") and report["diff"] <= 1e-5, report
