@@ -213,8 +213,12 @@ CONVERTERS = {
     "bert": (convert_bert, ("max_position_embeddings",)),
     "gpt2": (convert_gpt2, ("n_positions",)),
     "gpt_neox": (convert_gpt_neox, ("max_position_embeddings",)),
+    "roberta": (convert_bert, ("max_position_embeddings",)),  # BERT's layout
     "t5": (convert_t5, T5_REMOVED),
 }
+# What the removed fields hold while the original __init__ builds the table that is then dropped
+# (default 1). RoBERTa's table has a padding row at pad_token_id, so it needs pad_token_id + 1 rows.
+PLACEHOLDER_SIZES = {"roberta": lambda config: (config.pad_token_id or 0) + 1}
 
 
 def _drop_position_ids(module, args, kwargs):
@@ -293,12 +297,14 @@ def _config_class(base_config_class: type) -> type:
 def _model_class(base_class: type) -> type:
     name = "Alibi" + base_class.__name__
     if name not in _CLASSES:
-        convert, removed = CONVERTERS[base_class.config_class.model_type]
+        model_type = base_class.config_class.model_type
+        convert, removed = CONVERTERS[model_type]
 
         def __init__(self, config, *args, **kwargs):
             saved = {field: getattr(config, field) for field in removed}
+            size = PLACEHOLDER_SIZES.get(model_type, lambda config: 1)(config)
             for field in removed:  # the original __init__ still sizes the table that is then dropped
-                setattr(config, field, 1)
+                setattr(config, field, size)
             try:
                 base_class.__init__(self, config, *args, **kwargs)
             finally:
