@@ -155,10 +155,9 @@ def test_without_trust_remote_code_loading_fails_clearly(saved, tmp_path):
     assert "removed by hf_alibi" in results[base_class], results
 
 
-def test_remote_code_never_replaces_hf_alibis_functions(saved, tmp_path, monkeypatch):
+def test_remote_code_never_replaces_hf_alibis_functions(saved):
     case, root, auto_name = saved
     model_type, folder = case.model_type, root / _variant_dir(case.variants[0])
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     before = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("alibi_sdpa", "alibi_eager")}
     class_ref = f"modeling_alibi.Alibi{auto_classes_for(model_type)[auto_name]}"
     remote_cls = get_class_from_dynamic_module(class_ref, str(folder))
