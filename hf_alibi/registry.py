@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import transformers
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from .config import AlibiSettings, alibi_config_class, get_settings
@@ -54,6 +54,9 @@ class ArchitectureSpec:
             the checkpoint as the original architecture. While an ALiBi model is built they hold
             a placeholder of 1, since the original ``__init__`` still sizes the table it then drops.
         extra_classes: model classes outside transformers' Auto mappings (``GPT2DoubleHeadsModel``).
+        placeholder_size: ``placeholder_size(config)`` is the value the removed fields hold while an
+            ALiBi model is built, when 1 does not do (RoBERTa's position table has a padding row,
+            so it needs ``pad_token_id + 1`` rows).
     """
 
     model_type: str
@@ -62,6 +65,7 @@ class ArchitectureSpec:
     causal: bool = True
     removed_config_fields: tuple[str, ...] = ()
     extra_classes: tuple[type[PreTrainedModel], ...] = ()
+    placeholder_size: Callable[[PretrainedConfig], int] | None = None
     alibi_classes: dict[type, type] = field(default_factory=dict, repr=False)
 
     def apply(self, model: PreTrainedModel, settings: AlibiSettings) -> None:
@@ -111,7 +115,8 @@ def _base_classes(model_type: str, extra: tuple[type, ...]) -> dict[type, list[s
 def _make_alibi_class(base_cls: type[PreTrainedModel], config_cls: type, spec: ArchitectureSpec) -> type:
     def __init__(self, config, *args, **kwargs):
         settings = get_settings(config)
-        with _placeholder_sizes(config, spec.removed_config_fields):
+        size = 1 if spec.placeholder_size is None else spec.placeholder_size(config)
+        with _placeholder_sizes(config, spec.removed_config_fields, size):
             base_cls.__init__(self, config, *args, **kwargs)
         spec.apply(self, settings)
 
@@ -130,10 +135,10 @@ def _make_alibi_class(base_cls: type[PreTrainedModel], config_cls: type, spec: A
 
 
 @contextmanager
-def _placeholder_sizes(config, names: tuple[str, ...]):
+def _placeholder_sizes(config, names: tuple[str, ...], size: int = 1):
     saved = {name: getattr(config, name) for name in names}
     for name in names:
-        setattr(config, name, 1)
+        setattr(config, name, size)
     try:
         yield
     finally:

@@ -50,7 +50,7 @@ class Case:
             return gpt2_reference_logits(model, inputs["input_ids"])
         if self.model_type == "gpt_neox":
             return gpt_neox_reference_logits(model, inputs["input_ids"])
-        if self.model_type == "bert":
+        if self.model_type in ("bert", "roberta"):
             return bert_reference_logits(model, inputs["input_ids"], variant, attention_mask)
         if self.model_type == "t5":
             return t5_reference_logits(
@@ -80,6 +80,7 @@ _BERT = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
     max_position_embeddings=MAX_LEN, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
 )  # fmt: skip
+_ROBERTA = {**_BERT, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
 _T5 = dict(
     vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
     relative_attention_num_buckets=8, relative_attention_max_distance=MAX_LEN, dropout_rate=0.0,
@@ -102,7 +103,7 @@ CASES = [
         "AutoModelForCausalLM",
         "GPTNeoXForCausalLM",
         ("max_position_embeddings",),
-    ),  # fmt: skip
+    ),
     Case(
         "gpt_neox_sequential",  # sequential residual, full rotary
         "gpt_neox",
@@ -117,7 +118,7 @@ CASES = [
         "AutoModelForCausalLM",
         "GPTNeoXForCausalLM",
         ("max_position_embeddings",),
-    ),  # fmt: skip
+    ),
     Case(
         "bert",
         "bert",
@@ -126,7 +127,16 @@ CASES = [
         "AutoModelForMaskedLM",
         "BertForMaskedLM",
         ("max_position_embeddings",),
-    ),  # fmt: skip
+    ),
+    Case(
+        "roberta",
+        "roberta",
+        "encoder",
+        _seeded(transformers.RobertaForMaskedLM, transformers.RobertaConfig, **_ROBERTA),
+        "AutoModelForMaskedLM",
+        "RobertaForMaskedLM",
+        ("max_position_embeddings",),
+    ),
     Case(
         "t5",
         "t5",
@@ -136,7 +146,7 @@ CASES = [
         "T5ForConditionalGeneration",
         ("relative_attention_num_buckets", "relative_attention_max_distance"),
         takes_position_ids=False,
-    ),  # fmt: skip
+    ),
 ]
 CASE_IDS = [case.name for case in CASES]
 # (case, encoder variant) pairs: every variant for bidirectional cases, None for decoder-only ones.

@@ -54,3 +54,17 @@ SPEC = register_architecture(
         removed_config_fields=("max_position_embeddings",),
     )
 )
+
+# RoBERTa has BERT's layout (embeddings.position_embeddings, encoder.layer[i].attention.self); its
+# position ids come from the input ids, and are ignored the same way.
+ROBERTA_SPEC = register_architecture(
+    ArchitectureSpec(
+        model_type="roberta",
+        convert=convert,
+        bidirectional=True,
+        causal=False,
+        removed_config_fields=("max_position_embeddings",),
+        # its position table has a padding row (padding_idx=pad_token_id), so it needs that many rows
+        placeholder_size=lambda config: (config.pad_token_id or 0) + 1,
+    )
+)
