@@ -6,6 +6,7 @@ is built element by element, and attention is softmax(QK^T * scale + bias) V wri
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -108,7 +109,12 @@ def layer_bias(kind: str, n_head: int, q_len: int, kv_len: int, alibi_module=Non
         left = (-torch.sigmoid(alibi_module.slopes_left.detach().double())).tolist()
         right = (-torch.sigmoid(alibi_module.slopes_right.detach().double())).tolist()
         return explicit_bias("learned", left, q_len, kv_len, right=right)
-    return explicit_bias(kind, fairseq_slopes(n_head), q_len, kv_len)
+    return _fixed_bias(kind, n_head, q_len, kv_len).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_bias(kind: str, n_head: int, q_len: int, kv_len: int) -> torch.Tensor:
+    return explicit_bias(kind, fairseq_slopes(n_head), q_len, kv_len)  # the loops are slow: built once
 
 
 def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
