@@ -30,6 +30,9 @@ PREFIX = "alibi_"
 # and hands SDPA one float mask. "auto" takes "folded" wherever it is exact.
 AUTO, FOLDED, BIAS = "auto", "folded", "bias"
 PATHS = (AUTO, FOLDED, BIAS)
+# Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
+# H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
+FOLD_MIN_QUERIES = 32
 # Forces a path for every AlibiBias whose own ``path`` is left at "auto" (e.g. HF_ALIBI_PATH=bias).
 PATH_ENV = "HF_ALIBI_PATH"
 
@@ -266,7 +269,11 @@ def folded_causal_attention(
 
 
 def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict) -> str:
-    """The path this call takes: ``"folded"`` where it is exact and allowed, else ``"bias"``.
+    """The path this call takes: ``"folded"`` where it is exact and pays, else ``"bias"``.
+
+    "auto" folds causal fp32/fp64 sdpa attention of at least ``FOLD_MIN_QUERIES`` queries, with
+    or without a padding mask, at any cache offset; decoding steps and small chunks take the
+    bias path (an H x q x kv tensor, cheaper there than copying K and V).
 
     ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
     where it would be wrong raises instead of computing something else.
@@ -282,6 +289,8 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
         reason = f"only the sdpa backend has it, not {backend!r}"
     else:
         reason = folded_unavailable(alibi, query, attention_mask, kwargs)
+    if wanted == AUTO and reason is None and query.shape[2] < FOLD_MIN_QUERIES:
+        return BIAS  # cheaper for a few queries, and no L x L tensor either
     if reason is None:
         return FOLDED
     if wanted == FOLDED:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
-from hf_alibi.attention import BIAS, FOLDED, PATH_ENV, SHARED_MASK, AlibiBias
+from hf_alibi.attention import BIAS, FOLD_MIN_QUERIES, FOLDED, PATH_ENV, SHARED_MASK, AlibiBias
 
 H, D = 4, 16
 LENGTHS = [1, 7, 64, 1000]
@@ -211,8 +211,9 @@ def test_half_precision_at_16k_tokens_does_not_overflow(kind, dtype):
 
 
 def test_auto_picks_folded_where_exact_and_bias_elsewhere(monkeypatch):
-    q, k, v, key_real = make_inputs(7, 7, torch.float32, pad=True)
-    bool_mask = transformers_mask("causal", 7, 7, key_real, "sdpa", True, torch.float32)
+    n = FOLD_MIN_QUERIES
+    q, k, v, key_real = make_inputs(n, n, torch.float32, pad=True)
+    bool_mask = transformers_mask("causal", n, n, key_real, "sdpa", True, torch.float32)
     cases = [
         ("causal", "sdpa", torch.float32, None, FOLDED),
         ("causal", "sdpa", torch.float32, bool_mask, FOLDED),  # padding: a mask SDPA handles as it is
@@ -227,6 +228,11 @@ def test_auto_picks_folded_where_exact_and_bias_elsewhere(monkeypatch):
         layer = Layer(kind)
         run(backend, layer, q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype), mask, 0.25)
         assert layer.alibi.last_path == expected, (kind, backend, dtype, mask is None)
+    layer = Layer("causal")
+    run("sdpa", layer, q.detach()[:, :, -1:], k.detach(), v.detach(), None, 0.25)  # one decoding step
+    assert layer.alibi.last_path == BIAS
+    run("sdpa", layer, q.detach()[:, :, -(n - 1) :], k.detach(), v.detach(), bool_mask[:, :, 1:], 0.25)
+    assert layer.alibi.last_path == BIAS  # a chunk of fewer than FOLD_MIN_QUERIES queries
     layer = Layer("causal")
     monkeypatch.setenv(PATH_ENV, "bias")
     run("sdpa", layer, q.detach(), k.detach(), v.detach(), None, 0.25)

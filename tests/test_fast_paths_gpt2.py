@@ -8,7 +8,7 @@ from tiny import random_ids, tiny_gpt2
 from transformers import StaticCache
 
 import hf_alibi
-from hf_alibi.attention import BIAS, FOLDED, SHARED_MASK
+from hf_alibi.attention import BIAS, FOLD_MIN_QUERIES, FOLDED, SHARED_MASK
 
 
 def paths(model):
@@ -33,7 +33,7 @@ def test_folded_path_is_chosen_and_matches_reference(length):
     ids = random_ids(2, length)
     with torch.no_grad():
         logits = model(ids).logits
-        assert paths(model) == {FOLDED}
+        assert paths(model) == ({FOLDED} if length >= FOLD_MIN_QUERIES else {BIAS})
         reference = gpt2_reference_logits(model, ids)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
 
@@ -61,8 +61,10 @@ def test_folded_equals_bias_path_with_padding_and_gradients(length):
         torch.testing.assert_close(gf[name], gb[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_cache_takes_folded_path_and_matches_full_recompute():
+@pytest.mark.parametrize("path", ["auto", FOLDED])
+def test_cache_matches_full_recompute(path):
     model = hf_alibi.patch_model(tiny_gpt2())
+    set_path(model, path)
     ids, mask = padded_batch(40)
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
@@ -70,7 +72,7 @@ def test_cache_takes_folded_path_and_matches_full_recompute():
         chunks, past = [out.logits], out.past_key_values
         for start in range(30, 40, 5):  # chunked prefill against a longer cache (a bool mask)
             out = model(ids[:, start : start + 5], attention_mask=mask[:, : start + 5], past_key_values=past)
-            assert paths(model) == {FOLDED}
+            assert paths(model) == ({BIAS} if path == "auto" else {FOLDED})  # 5 queries: bias when auto
             chunks.append(out.logits)
             past = out.past_key_values
     real = mask.bool()
