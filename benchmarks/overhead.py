@@ -99,12 +99,6 @@ def _convert(model, alibi: bool, **options):
 BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "gpt_neox": build_gpt_neox, "bert": build_bert}
 
 
-def set_path(model: torch.nn.Module, path: str) -> None:
-    for module in model.modules():
-        if hasattr(module, "alibi") and hasattr(module.alibi, "path"):
-            module.alibi.path = path
-
-
 def _rss_kb(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -158,11 +152,13 @@ def median(values):
 
 
 def run_type(model_type: str, args) -> list[str]:
+    import hf_alibi
+
     builder = BUILDERS[model_type]
     max_len = max([*args.lengths, args.forward_length])
     alibi, plain = builder(True, max_len, args), builder(False, max_len, args)
     bias = builder(True, max_len, args)
-    set_path(bias.model, "bias")
+    hf_alibi.set_attention_path(bias.model, "bias")
     models = {"alibi": alibi.model, "plain": plain.model, "bias": bias.model}
     rows = []
     for length in args.lengths:
@@ -215,8 +211,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 

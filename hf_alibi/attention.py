@@ -82,6 +82,9 @@ class AlibiBias(nn.Module):
         if self.kind == LEARNED:
             left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value)
+        if self.kind == CAUSAL and q_len == 1:  # a decoding step: every key is in the past
+            distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
+            return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value)
 
     @property
@@ -100,6 +103,26 @@ class AlibiBias(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}"
+
+
+def set_attention_path(model: nn.Module, path: str) -> nn.Module:
+    """Set how every ALiBi layer of ``model`` applies its bias on the sdpa backend.
+
+    ``"auto"`` (default) folds causal fp32 attention into SDPA's causal kernel where that is exact
+    and takes the bias tensor elsewhere; ``"folded"`` forces the fold (an error where it would be
+    wrong); ``"bias"`` always builds the bias tensor. ``HF_ALIBI_PATH`` sets the same for layers
+    left at ``"auto"``.
+
+    >>> hf_alibi.set_attention_path(model, "bias")  # doctest: +SKIP
+    """
+    if path not in PATHS:
+        raise ValueError(f"ALiBi path must be one of {PATHS}, got {path!r}.")
+    layers = [m for m in model.modules() if isinstance(m, AlibiBias)]
+    if not layers:
+        raise ValueError("This model has no ALiBi layers: convert it with hf_alibi.patch_model first.")
+    for layer in layers:
+        layer.path = path
+    return model
 
 
 def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -177,7 +200,8 @@ class _SharedMask:
 
     def get(self, alibi: AlibiBias, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None):
         dtype, device, q_len = query.dtype, query.device, query.shape[2]
-        key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype)
+        # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
+        key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
         if self.merged is not None and self.key == key and self.mask is attention_mask:
             return self.merged
         bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32

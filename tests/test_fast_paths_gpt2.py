@@ -16,8 +16,8 @@ def paths(model):
 
 
 def set_path(model, path):
-    for block in model.transformer.h:
-        block.attn.alibi.path = path
+    hf_alibi.set_attention_path(model, path)
+    assert {block.attn.alibi.path for block in model.transformer.h} == {path}
 
 
 def padded_batch(length):
@@ -127,3 +127,10 @@ def test_flex_backend_forward_matches_reference_on_cpu():
     real = mask.bool()
     torch.testing.assert_close(flex[real], sdpa[real], rtol=0, atol=1e-4)
     torch.testing.assert_close(flex[1], reference[0], rtol=0, atol=1e-4)
+
+
+def test_set_attention_path_refuses_bad_input():
+    with pytest.raises(ValueError, match="path must be one of"):
+        hf_alibi.set_attention_path(hf_alibi.patch_model(tiny_gpt2()), "fastest")
+    with pytest.raises(ValueError, match="patch_model first"):
+        hf_alibi.set_attention_path(tiny_gpt2(), "bias")
