@@ -280,8 +280,9 @@ def folded_causal_attention(
     if is_causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     kv_len = key.shape[2]
-    positions = torch.arange(kv_len, device=query.device, dtype=torch.float32) - (kv_len - 1) / 2
-    channel = (slopes.float()[:, None] * positions / scaling).to(query.dtype)  # (H, kv)
+    exact = torch.promote_types(query.dtype, torch.float32)  # fp32 slopes, fp64 stays fp64
+    positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2
+    channel = (slopes.to(exact)[:, None] * positions / scaling).to(query.dtype)  # (H, kv)
     one = query.new_ones(()).expand(batch, heads, q_len, 1)
     query = torch.cat([query, one], dim=-1)  # (B, H, q, D + 1)
     key = torch.cat([key, channel[None, :, :, None].expand(batch, heads, kv_len, 1)], dim=-1)
@@ -307,14 +308,12 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
         wanted = os.environ.get(PATH_ENV, AUTO) or AUTO
         if wanted not in PATHS:
             raise ValueError(f"{PATH_ENV}={wanted!r}; expected one of {PATHS}.")
-    if wanted == BIAS:
-        return BIAS
+    if wanted == BIAS or (wanted == AUTO and query.shape[2] < FOLD_MIN_QUERIES):
+        return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
     if backend != "sdpa":
         reason = f"only the sdpa backend has it, not {backend!r}"
     else:
         reason = folded_unavailable(alibi, query, attention_mask, kwargs)
-    if wanted == AUTO and reason is None and query.shape[2] < FOLD_MIN_QUERIES:
-        return BIAS  # cheaper for a few queries, and no L x L tensor either
     if reason is None:
         return FOLDED
     if wanted == FOLDED:
