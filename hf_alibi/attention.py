@@ -193,25 +193,31 @@ class _SharedMask:
     """
 
     def __init__(self):
-        self.key: tuple | None = None
-        self.mask: torch.Tensor | None = None  # transformers' mask the entry was made from
-        self.merged: torch.Tensor | None = None
+        # (key, transformers' mask it was made from, merged mask): one tuple, replaced whole, so a
+        # reader in another thread never pairs one entry's key with another's tensor
+        self.entry: tuple | None = None
         self.builds = 0  # how many masks were built (tests count them)
+
+    @property
+    def merged(self) -> torch.Tensor | None:
+        entry = self.entry
+        return None if entry is None else entry[2]
 
     def get(self, alibi: AlibiBias, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None):
         dtype, device, q_len = query.dtype, query.device, query.shape[2]
         # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
         key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
-        if self.merged is not None and self.key == key and self.mask is attention_mask:
-            return self.merged
+        entry = self.entry
+        if entry is not None and entry[0] == key and entry[1] is attention_mask:
+            return entry[2]
         bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32
         merged = merge_bias_and_mask(bias, attention_mask, dtype)
         self.builds += 1
-        self.key, self.mask, self.merged = key, attention_mask, merged
+        self.entry = (key, attention_mask, merged)
         return merged
 
     def clear(self) -> None:
-        self.key = self.mask = self.merged = None
+        self.entry = None
 
 
 SHARED_MASK = _SharedMask()
