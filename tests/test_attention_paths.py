@@ -379,3 +379,21 @@ def test_flex_trains_on_gpu(kind):
 
 def test_public_api_exposes_path_control():
     assert hf_alibi.AlibiBias is AlibiBias
+
+
+def test_folded_channel_stays_within_1e_4_at_4096_tokens():
+    # the fold's channel grows with position (fp32 rounding): 64 queries spread over 4096 keys, 8 heads
+    heads, kv_len = 8, 4096
+    layer = Layer("causal", path=FOLDED)
+    layer.alibi = AlibiBias("causal", heads, path=FOLDED)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, 64, generator=g) for n in (64, kv_len, kv_len))
+    positions = torch.linspace(0, kv_len - 1, 64).long()
+    mask = (torch.arange(kv_len)[None, :] <= positions[:, None])[None, None]
+    with torch.no_grad():
+        out = run("sdpa", layer, q, k, v, mask, 64**-0.5)
+    d = positions[:, None].double() - torch.arange(kv_len)[None].double()
+    bias = (-torch.tensor(fairseq_slopes(heads), dtype=torch.float64)[:, None, None] * d).masked_fill(d < 0, NEG)
+    ref = reference_output(q, k, v, bias, 64**-0.5, torch.ones(1, kv_len, dtype=torch.bool))
+    assert layer.alibi.last_path == FOLDED
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
