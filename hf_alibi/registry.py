@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
+from .attention import release_shared_masks
 from .config import AlibiSettings, alibi_config_class, get_settings
 
 # The Auto classes an ALiBi model can be loaded with, when transformers maps the base type there.
@@ -72,6 +73,8 @@ class ArchitectureSpec:
         """Convert ``model`` in place: the spec's surgery, then position ids are ignored."""
         self.convert(model, settings)
         model.base_model.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        # the bias mask the layers shared lives for one forward only
+        model.base_model.register_forward_hook(release_shared_masks)
 
 
 def _drop_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
