@@ -4,7 +4,7 @@ Importing registers hf_alibi's attention functions and model types with transfor
 only); it never patches anything. Converting is explicit: :func:`patch_model`.
 """
 
-from .attention import AlibiBias, register_backends
+from .attention import AlibiBias, register_backends, set_attention_path
 from .config import AlibiSettings, get_settings, is_alibi_config
 from .patch import is_alibi_model, patch_model
 from .registry import ArchitectureSpec, get_spec, register_architecture, supported_model_types
@@ -29,5 +29,6 @@ __all__ = [
     "is_alibi_model",
     "patch_model",
     "register_architecture",
+    "set_attention_path",
     "supported_model_types",
 ]

@@ -12,6 +12,7 @@ models that were not patched are untouched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -20,9 +21,20 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .slopes import BIAS_KINDS, LEARNED, alibi_bias, get_slopes
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, NONSYMMETRIC, SYMMETRIC, alibi_bias, get_slopes
 
 PREFIX = "alibi_"
+
+# How the sdpa backend applies the bias (see ``choose_path``): "folded" puts the causal bias into an
+# extra q/k channel and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias tensor
+# and hands SDPA one float mask. "auto" takes "folded" wherever it is exact.
+AUTO, FOLDED, BIAS = "auto", "folded", "bias"
+PATHS = (AUTO, FOLDED, BIAS)
+# Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
+# H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
+FOLD_MIN_QUERIES = 32
+# Forces a path for every AlibiBias whose own ``path`` is left at "auto" (e.g. HF_ALIBI_PATH=bias).
+PATH_ENV = "HF_ALIBI_PATH"
 
 
 class AlibiBias(nn.Module):
@@ -32,14 +44,20 @@ class AlibiBias(nn.Module):
     ``model.half()`` can never round them and a state dict is the same with or without ALiBi.
     Only the ``learned`` form owns parameters (``slopes_left`` / ``slopes_right``, before the
     ``-sigmoid``), which are saved with the model's weights.
+
+    ``path`` picks how the sdpa backend applies the bias: ``"auto"`` (default; the environment
+    variable ``HF_ALIBI_PATH`` can override it), ``"folded"`` or ``"bias"``; see :func:`choose_path`.
+    ``last_path`` records the path the latest call took ("folded", "bias", "flex" or "flash").
     """
 
-    def __init__(self, kind: str, num_heads: int):
+    def __init__(self, kind: str, num_heads: int, path: str = AUTO):
         super().__init__()
         if kind not in BIAS_KINDS:
             raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
         self.kind = kind
         self.num_heads = num_heads
+        self.path = path
+        self.last_path: str | None = None
         if kind == LEARNED:
             self.slopes_left = nn.Parameter(torch.empty(num_heads))
             self.slopes_right = nn.Parameter(torch.empty(num_heads))
@@ -62,13 +80,49 @@ class AlibiBias(nn.Module):
     def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
         """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``."""
         if self.kind == LEARNED:
-            left = -torch.sigmoid(self.slopes_left.float())
-            right = -torch.sigmoid(self.slopes_right.float())
+            left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value)
+        if self.kind == CAUSAL and q_len == 1:  # a decoding step: every key is in the past
+            distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
+            return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value)
 
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @path.setter
+    def path(self, value: str) -> None:
+        if value not in PATHS:
+            raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
+        self._path = value
+
+    def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned form's (left, right) slopes, fp32 and negative, with their gradients."""
+        return -torch.sigmoid(self.slopes_left.float()), -torch.sigmoid(self.slopes_right.float())
+
     def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, num_heads={self.num_heads}"
+        return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}"
+
+
+def set_attention_path(model: nn.Module, path: str) -> nn.Module:
+    """Set how every ALiBi layer of ``model`` applies its bias on the sdpa backend.
+
+    ``"auto"`` (default) folds causal fp32 attention into SDPA's causal kernel where that is exact
+    and takes the bias tensor elsewhere; ``"folded"`` forces the fold (an error where it would be
+    wrong); ``"bias"`` always builds the bias tensor. ``HF_ALIBI_PATH`` sets the same for layers
+    left at ``"auto"``.
+
+    >>> hf_alibi.set_attention_path(model, "bias")  # doctest: +SKIP
+    """
+    if path not in PATHS:
+        raise ValueError(f"ALiBi path must be one of {PATHS}, got {path!r}.")
+    layers = [m for m in model.modules() if isinstance(m, AlibiBias)]
+    if not layers:
+        raise ValueError("This model has no ALiBi layers: convert it with hf_alibi.patch_model first.")
+    for layer in layers:
+        layer.path = path
+    return model
 
 
 def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -117,10 +171,353 @@ def _unsupported_backend(name: str) -> Callable:
     def forward(*args, **kwargs):
         raise NotImplementedError(
             f"hf_alibi has no ALiBi path for attn_implementation={name!r} yet. "
-            f"Use one of {sorted(BACKENDS)}: model.set_attn_implementation('sdpa')."
+            f"Use one of {sorted(BACKENDS) + sorted(NATIVE_BACKENDS)}: model.set_attn_implementation('sdpa')."
         )
 
     return forward
+
+
+# ---------------------------------------------------------------------------------------------
+# The bias path: one float mask per forward, shared by every layer.
+
+
+class _SharedMask:
+    """The merged mask of the fixed-slope forms, built once per forward and reused by every layer.
+
+    Every layer of a model has the same heads and fixed slopes, and transformers hands all of its
+    layers the same mask object, so the merged mask (bias + padding + causality) only depends on
+    (kind, heads, q_len, kv_len, device, dtype) and on that mask object. One entry is kept: the
+    latest. It is dropped when the converted model's forward ends (``release_shared_masks``, a
+    forward hook that ``ArchitectureSpec.apply`` installs), so it never outlives the forward it was
+    made for. The learned form is never shared: its slopes differ per layer and carry gradients.
+    """
+
+    def __init__(self):
+        # (key, transformers' mask it was made from, merged mask): one tuple, replaced whole, so a
+        # reader in another thread never pairs one entry's key with another's tensor
+        self.entry: tuple | None = None
+        self.builds = 0  # how many masks were built (tests count them)
+
+    @property
+    def merged(self) -> torch.Tensor | None:
+        entry = self.entry
+        return None if entry is None else entry[2]
+
+    def get(self, alibi: AlibiBias, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None):
+        dtype, device, q_len = query.dtype, query.device, query.shape[2]
+        # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
+        key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
+        entry = self.entry
+        if entry is not None and entry[0] == key and entry[1] is attention_mask:
+            return entry[2]
+        bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32
+        merged = merge_bias_and_mask(bias, attention_mask, dtype)
+        self.builds += 1
+        self.entry = (key, attention_mask, merged)
+        return merged
+
+    def clear(self) -> None:
+        self.entry = None
+
+
+SHARED_MASK = _SharedMask()
+
+
+def release_shared_masks(*_args, **_kwargs) -> None:
+    """Drop the mask shared by the layers of the forward that just ended (a forward hook)."""
+    SHARED_MASK.clear()
+
+
+def bias_mask(alibi: AlibiBias, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None):
+    """Bias + transformers' mask as one additive float mask in the query's dtype, ``(1 or B, H, q, kv)``."""
+    if alibi.kind == LEARNED:
+        bias = alibi(query.shape[2], kv_len, query.device, torch.finfo(query.dtype).min)
+        return merge_bias_and_mask(bias, attention_mask, query.dtype)
+    return SHARED_MASK.get(alibi, query, kv_len, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The folded path: the causal bias as one more q/k channel, SDPA's causal kernel, no L x L tensor.
+
+
+def folded_unavailable(alibi: AlibiBias, query: torch.Tensor, attention_mask, kwargs: dict) -> str | None:
+    """Why the folded path cannot run this call exactly, or ``None`` when it can."""
+    if alibi.kind != CAUSAL:
+        return f"the {alibi.kind!r} bias is not causal (the fold needs softmax to ignore a per-query constant)"
+    if query.dtype not in (torch.float32, torch.float64):
+        return f"{query.dtype} cannot hold the folded channel (it grows with position): only float32/float64"
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
+    if kwargs.get("position_bias") is not None:
+        return "the layer passes its own position_bias"
+    if kwargs.get("cache") is not None:
+        return "a paged cache is in use"
+    return None
+
+
+def folded_causal_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    slopes: torch.Tensor,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, None]:
+    """Causal ALiBi through SDPA's causal kernel, with the bias folded into q and k.
+
+    The causal bias ``-m_h (i - j)`` equals ``m_h j`` up to a per-query constant, which softmax
+    ignores. So q gets a channel of 1 and k a channel ``m_h (j - c) / scaling`` (``c`` centres the
+    positions to halve the channel's size, hence its fp32 rounding): ``q' k'^T * scaling`` is
+    ``q k^T * scaling + m_h j - m_h c``. v gets a zero channel (SDPA wants equal head sizes) and the
+    output drops it. Shapes ``(B, H, L, D)``; returns ``(B, q, H, D)`` like transformers' backends.
+
+    transformers' mask is used as it is: ``None`` (pure causal: SDPA's ``is_causal``, with the keys
+    cut to the queries exactly as transformers' sdpa does, whose ``None`` means top-left alignment)
+    or a boolean / additive mask that already holds causality and padding for any cache offset.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    if key.shape[1] != heads:  # grouped KV heads: the channel differs per query head
+        key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
+    if scaling is None:
+        scaling = head_dim**-0.5
+    is_causal = attention_mask is None and q_len > 1
+    if is_causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    kv_len = key.shape[2]
+    exact = torch.promote_types(query.dtype, torch.float32)  # fp32 slopes, fp64 stays fp64
+    positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2
+    channel = (slopes.to(exact)[:, None] * positions / scaling).to(query.dtype)  # (H, kv)
+    one = query.new_ones(()).expand(batch, heads, q_len, 1)
+    query = torch.cat([query, one], dim=-1)  # (B, H, q, D + 1)
+    key = torch.cat([key, channel[None, :, :, None].expand(batch, heads, kv_len, 1)], dim=-1)
+    value = nn.functional.pad(value, (0, 1))
+    output = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
+    )  # (B, H, q, D + 1)
+    return output[..., :head_dim].transpose(1, 2).contiguous(), None
+
+
+def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict) -> str:
+    """The path this call takes: ``"folded"`` where it is exact and pays, else ``"bias"``.
+
+    "auto" folds causal fp32/fp64 sdpa attention of at least ``FOLD_MIN_QUERIES`` queries, with
+    or without a padding mask, at any cache offset; decoding steps and small chunks take the
+    bias path (an H x q x kv tensor, cheaper there than copying K and V).
+
+    ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
+    where it would be wrong raises instead of computing something else.
+    """
+    wanted = alibi.path
+    if wanted == AUTO:
+        wanted = os.environ.get(PATH_ENV, AUTO) or AUTO
+        if wanted not in PATHS:
+            raise ValueError(f"{PATH_ENV}={wanted!r}; expected one of {PATHS}.")
+    if wanted == BIAS or (wanted == AUTO and query.shape[2] < FOLD_MIN_QUERIES):
+        return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
+    if backend != "sdpa":
+        reason = f"only the sdpa backend has it, not {backend!r}"
+    else:
+        reason = folded_unavailable(alibi, query, attention_mask, kwargs)
+    if reason is None:
+        return FOLDED
+    if wanted == FOLDED:
+        raise ValueError(
+            f"The folded ALiBi path was forced but cannot run here: {reason}. "
+            f"Set layer.alibi.path (or {PATH_ENV}) to 'auto' or 'bias'."
+        )
+    return BIAS
+
+
+def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
+    """Wrap a mask-taking backend so that it applies the layer's ALiBi bias."""
+
+    def alibi_attention_forward(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs,
+    ):
+        alibi: AlibiBias | None = getattr(module, "alibi", None)
+        if alibi is None:  # cross-attention: no position bias
+            return backend(module, query, key, value, attention_mask, **kwargs)
+        _check_heads(alibi, query)
+        path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
+        alibi.last_path = path
+        if path == FOLDED:
+            return folded_causal_attention(
+                module, query, key, value, attention_mask, alibi.fixed_slopes(query.device),
+                dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"),
+            )  # fmt: skip
+        q_len = query.shape[2]
+        if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:
+            # transformers' sdpa gives no mask here only when top-left alignment is right (prefill
+            # into an empty static cache) and then cuts the keys to the queries: do the same.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        mask = bias_mask(alibi, query, key.shape[2], attention_mask)
+        kwargs.pop("is_causal", None)  # causality is in the mask now
+        kwargs.pop("position_bias", None)
+        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
+
+    return alibi_attention_forward
+
+
+def _check_heads(alibi: AlibiBias, query: torch.Tensor) -> None:
+    if query.shape[1] != alibi.num_heads:
+        raise ValueError(f"ALiBi was set up for {alibi.num_heads} heads but this layer computes {query.shape[1]}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexAttention: the bias as a score_mod computed from the slopes, no bias tensor.
+
+
+def alibi_score_mod(alibi: AlibiBias, q_len: int, kv_len: int, device: torch.device) -> Callable:
+    """FlexAttention ``score_mod`` adding the layer's bias; queries are the last ``q_len`` positions.
+
+    Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
+    mask transformers made (a ``BlockMask``) handles padding.
+    """
+    offset = kv_len - q_len
+    kind = alibi.kind
+    if kind == LEARNED:
+        left, right = alibi.learned_slopes()
+        left, right = left.to(device), right.to(device)
+
+        def learned_mod(score, b, h, q_idx, kv_idx):
+            distance = (q_idx + offset - kv_idx).to(torch.float32)
+            return score + torch.where(distance >= 0, left[h] * distance, -right[h] * distance)
+
+        return learned_mod
+    slopes = alibi.fixed_slopes(device)
+    half = alibi.num_heads // 2
+
+    def fixed_mod(score, b, h, q_idx, kv_idx):
+        distance = (q_idx + offset - kv_idx).to(torch.float32)
+        biased = score - slopes[h] * distance.abs()
+        if kind == CAUSAL:
+            biased = torch.where(distance >= 0, biased, -float("inf"))
+        elif kind == NONSYMMETRIC:
+            allowed = torch.where(h < half, distance >= 0, distance <= 0)
+            biased = torch.where(allowed, biased, -float("inf"))
+        return biased
+
+    return fixed_mod
+
+
+def flex_alibi_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """ALiBi with FlexAttention: transformers' ``BlockMask`` for padding, the bias as a ``score_mod``.
+
+    On CPU, FlexAttention (torch 2.13) runs forward only: training there raises. Shapes as SDPA.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if dropout > 0:
+        raise ValueError("flex_attention has no attention dropout: set the model's attention dropout to 0.")
+    alibi: AlibiBias | None = getattr(module, "alibi", None)
+    if alibi is None:
+        from transformers.integrations.flex_attention import flex_attention_forward
+
+        return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    _check_heads(alibi, query)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *alibi.parameters()))
+    if query.device.type == "cpu" and needs_grad:
+        raise NotImplementedError(
+            "FlexAttention has no backward pass on CPU (torch 2.13): train with "
+            "model.set_attn_implementation('sdpa') there, or run this under torch.no_grad()."
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
+    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device)
+    if isinstance(attention_mask, torch.Tensor):  # a 4D mask (bool or additive) instead of a BlockMask
+        extra = attention_mask[:, :, :, :kv_len]
+        extra = torch.where(extra, 0.0, -float("inf")) if extra.dtype == torch.bool else extra.float()
+        inner = score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return inner(score, b, h, q_idx, kv_idx) + extra[b, 0, q_idx, kv_idx]
+
+    if key.shape[1] != query.shape[1]:
+        key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // key.shape[1])
+    if query.device.type == "cpu":
+        run = flex_attention  # the eager implementation: torch.compile on CPU needs a C++ toolchain
+    else:
+        from transformers.integrations.flex_attention import WrappedFlexAttention
+
+        run = WrappedFlexAttention(module.training)()
+    alibi.last_path = "flex"
+    output = run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn: its own ALiBi (fp32 ``alibi_slopes``), causal and symmetric.
+
+
+def flash_alibi_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """ALiBi with flash-attn >= 2.4's ``alibi_slopes`` (bias ``-m |i + Lk - Lq - j|``, fp16/bf16, CUDA).
+
+    ``attention_mask`` is transformers' 2D padding mask for flash attention (or ``None``); padded
+    batches go through ``flash_attn_varlen_func``. Only the causal and symmetric forms exist there.
+    """
+    alibi: AlibiBias | None = getattr(module, "alibi", None)
+    if alibi is None:
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        return flash_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    _check_heads(alibi, query)
+    if alibi.kind not in (CAUSAL, SYMMETRIC):
+        raise NotImplementedError(
+            f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
+            "use model.set_attn_implementation('sdpa')."
+        )
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as error:
+        raise ImportError(
+            "attn_implementation='flash_attention_2' with ALiBi needs flash-attn >= 2.4 (pip install flash-attn) "
+            "and a CUDA GPU; otherwise use model.set_attn_implementation('sdpa')."
+        ) from error
+    if query.device.type != "cuda":
+        raise RuntimeError("flash-attn runs on CUDA only: use model.set_attn_implementation('sdpa') on this device.")
+    from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
+
+    if not module.training:
+        dropout = 0.0
+    causal = alibi.kind == CAUSAL
+    slopes = alibi.fixed_slopes(query.device)  # fp32, as flash-attn requires
+    half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    q, k, v = (t.transpose(1, 2).to(half) for t in (query, key, value))  # (B, L, H, D)
+    batch, q_len = q.shape[:2]
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, alibi_slopes=slopes)
+    if attention_mask is None:
+        output = flash_attn_func(q, k, v, **options)
+    else:
+        q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = _upad_input(q, k, v, attention_mask, q_len, _unpad_input)
+        output = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        output = _pad_input(output, indices, batch, q_len)
+    alibi.last_path = "flash"
+    return output.to(query.dtype), None
 
 
 # backend name -> (attention function, mask function); the attention function receives the
@@ -129,9 +526,15 @@ BACKENDS: dict[str, tuple[Callable, Callable]] = {
     "eager": (eager_attention_forward, AttentionMaskInterface._global_mapping["eager"]),
     "sdpa": (sdpa_attention_forward, AttentionMaskInterface._global_mapping["sdpa"]),
 }
+# backends that apply the bias themselves, from the slopes (no bias tensor), with transformers'
+# own mask function for that backend.
+NATIVE_BACKENDS: dict[str, Callable] = {
+    "flex_attention": flex_alibi_attention,
+    "flash_attention_2": flash_alibi_attention,
+}
 # transformers' names that hf_alibi knows of but cannot run with ALiBi yet: a clear error
 # instead of transformers' "not a valid attention implementation".
-UNSUPPORTED_BACKENDS = ("flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+UNSUPPORTED_BACKENDS = ("flash_attention_3", "flash_attention_4")
 
 
 def alibi_name(backend: str | None) -> str | None:
@@ -148,40 +551,17 @@ def base_name(name: str | None) -> str | None:
     return name.removeprefix(PREFIX)
 
 
-def make_alibi_attention(backend: Callable) -> Callable:
-    """Wrap a backend so that it adds the layer's ALiBi bias to the mask it is given."""
-
-    def alibi_attention_forward(
-        module: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        **kwargs,
-    ):
-        alibi: AlibiBias | None = getattr(module, "alibi", None)
-        if alibi is None:  # cross-attention: no position bias
-            return backend(module, query, key, value, attention_mask, **kwargs)
-        if query.shape[1] != alibi.num_heads:
-            raise ValueError(f"ALiBi was set up for {alibi.num_heads} heads but this layer computes {query.shape[1]}.")
-        masked_value = torch.finfo(query.dtype).min
-        bias = alibi(query.shape[2], key.shape[2], query.device, masked_value)  # (1, H, q, kv) fp32
-        mask = merge_bias_and_mask(bias, attention_mask, query.dtype)
-        kwargs.pop("is_causal", None)  # causality is in the mask now
-        kwargs.pop("position_bias", None)
-        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
-
-    return alibi_attention_forward
-
-
 def register_backends() -> None:
     """Add ``alibi_<backend>`` to transformers' attention and mask interfaces (idempotent)."""
     for name, (attention, mask) in BACKENDS.items():
-        AttentionInterface.register(alibi_name(name), make_alibi_attention(attention))
+        AttentionInterface.register(alibi_name(name), make_alibi_attention(name, attention))
         AttentionMaskInterface.register(alibi_name(name), mask)
+    for name, attention in NATIVE_BACKENDS.items():
+        AttentionInterface.register(alibi_name(name), attention)
     for name in UNSUPPORTED_BACKENDS:
         if alibi_name(name) not in ALL_ATTENTION_FUNCTIONS:
             AttentionInterface.register(alibi_name(name), _unsupported_backend(name))
+    for name in (*NATIVE_BACKENDS, *UNSUPPORTED_BACKENDS):
         mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
         if mask is not None and alibi_name(name) not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             AttentionMaskInterface.register(alibi_name(name), mask)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import transformers
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
+from .attention import release_shared_masks
 from .config import AlibiSettings, alibi_config_class, get_settings
 from .hub import AlibiPreTrainedMixin
 
@@ -55,6 +56,9 @@ class ArchitectureSpec:
             the checkpoint as the original architecture. While an ALiBi model is built they hold
             a placeholder of 1, since the original ``__init__`` still sizes the table it then drops.
         extra_classes: model classes outside transformers' Auto mappings (``GPT2DoubleHeadsModel``).
+        placeholder_size: ``placeholder_size(config)`` is the value the removed fields hold while an
+            ALiBi model is built, when 1 does not do (RoBERTa's position table has a padding row,
+            so it needs ``pad_token_id + 1`` rows).
     """
 
     model_type: str
@@ -63,12 +67,15 @@ class ArchitectureSpec:
     causal: bool = True
     removed_config_fields: tuple[str, ...] = ()
     extra_classes: tuple[type[PreTrainedModel], ...] = ()
+    placeholder_size: Callable[[PretrainedConfig], int] | None = None
     alibi_classes: dict[type, type] = field(default_factory=dict, repr=False)
 
     def apply(self, model: PreTrainedModel, settings: AlibiSettings) -> None:
         """Convert ``model`` in place: the spec's surgery, then position ids are ignored."""
         self.convert(model, settings)
         model.base_model.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        # the bias mask the layers shared lives for one forward only
+        model.base_model.register_forward_hook(release_shared_masks)
 
 
 def _drop_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -112,7 +119,8 @@ def _base_classes(model_type: str, extra: tuple[type, ...]) -> dict[type, list[s
 def _make_alibi_class(base_cls: type[PreTrainedModel], config_cls: type, spec: ArchitectureSpec) -> type:
     def __init__(self, config, *args, **kwargs):
         settings = get_settings(config)
-        with _placeholder_sizes(config, spec.removed_config_fields):
+        size = 1 if spec.placeholder_size is None else spec.placeholder_size(config)
+        with _placeholder_sizes(config, spec.removed_config_fields, size):
             base_cls.__init__(self, config, *args, **kwargs)
         spec.apply(self, settings)
 
@@ -132,10 +140,10 @@ def _make_alibi_class(base_cls: type[PreTrainedModel], config_cls: type, spec: A
 
 
 @contextmanager
-def _placeholder_sizes(config, names: tuple[str, ...]):
+def _placeholder_sizes(config, names: tuple[str, ...], size: int = 1):
     saved = {name: getattr(config, name) for name in names}
     for name in names:
-        setattr(config, name, 1)
+        setattr(config, name, size)
     try:
         yield
     finally:

@@ -6,6 +6,7 @@ is built element by element, and attention is softmax(QK^T * scale + bias) V wri
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,4 +91,113 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = hidden + attn.c_proj(out)
         hidden = hidden + block.mlp(block.ln_2(hidden))
     hidden = base.ln_f(hidden)
+    return model.lm_head(hidden)
+
+
+# --- hand-written forwards of the other registered architectures (hf_alibi issue 3) ---------------
+# Each uses the model's norms, projections and MLPs as plain functions and writes out the rest:
+# the embeddings (no position table), the split into heads, the attention with the explicit bias
+# of the layer's kind (float64) and the residual wiring. The kind comes from the caller, never
+# from hf_alibi; learned slopes are read from the model's weights.
+
+
+def layer_bias(kind: str, n_head: int, q_len: int, kv_len: int, alibi_module=None) -> torch.Tensor:
+    """(H, q, kv) explicit bias; ``"none"`` is zeros (cross-attention), ``"learned"`` reads the layer's slopes."""
+    if kind == "none":
+        return torch.zeros(n_head, q_len, kv_len, dtype=torch.float64)
+    if kind == "learned":
+        left = (-torch.sigmoid(alibi_module.slopes_left.detach().double())).tolist()
+        right = (-torch.sigmoid(alibi_module.slopes_right.detach().double())).tolist()
+        return explicit_bias("learned", left, q_len, kv_len, right=right)
+    return _fixed_bias(kind, n_head, q_len, kv_len).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_bias(kind: str, n_head: int, q_len: int, kv_len: int) -> torch.Tensor:
+    return explicit_bias(kind, fairseq_slopes(n_head), q_len, kv_len)  # the loops are slow: built once
+
+
+def _heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    batch, length, width = x.shape
+    return x.view(batch, length, n_head, width // n_head).transpose(1, 2)  # (B, H, L, D)
+
+
+def _merge(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A padded query of a nonsymmetric head may see no key at all: NaN here. Its value never reaches
+    # a real token, but 0 * NaN would in the next layer, so it is zeroed.
+    out = torch.nan_to_num(out, nan=0.0)
+    batch, n_head, length, head_dim = out.shape
+    return out.to(dtype).transpose(1, 2).reshape(batch, length, n_head * head_dim)
+
+
+def gpt_neox_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """A converted GPT-NeoX by hand: no rotation of any dimension, causal -m(i-j), both residual forms."""
+    base, config = model.base_model, model.config
+    n_head = config.num_attention_heads
+    hidden = base.embed_in(input_ids)
+    batch, length, width = hidden.shape
+    head_dim = width // n_head
+    bias = layer_bias("causal", n_head, length, length)
+    for layer in base.layers:
+        attn = layer.attention
+        qkv = attn.query_key_value(layer.input_layernorm(hidden)).view(batch, length, n_head, 3 * head_dim)
+        q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)  # NeoX interleaves q, k, v per head
+        attn_out = attn.dense(_merge(reference_attention(q, k, v, bias, head_dim**-0.5), hidden.dtype))
+        if config.use_parallel_residual:
+            hidden = hidden + attn_out + layer.mlp(layer.post_attention_layernorm(hidden))
+        else:
+            hidden = hidden + attn_out
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.get_output_embeddings()(base.final_layer_norm(hidden))
+
+
+def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_mask=None) -> torch.Tensor:
+    """A converted BERT / RoBERTa masked LM by hand: word + token-type embeddings only, ``kind`` bias."""
+    base = model.base_model
+    n_head = model.config.num_attention_heads
+    emb = base.embeddings
+    hidden = emb.LayerNorm(emb.word_embeddings(input_ids) + emb.token_type_embeddings(torch.zeros_like(input_ids)))
+    length = input_ids.shape[1]
+    padding = attention_mask.bool() if attention_mask is not None else None
+    for layer in base.encoder.layer:
+        attn = layer.attention.self
+        q, k, v = (_heads(proj(hidden), n_head) for proj in (attn.query, attn.key, attn.value))
+        bias = layer_bias(kind, n_head, length, length, getattr(attn, "alibi", None))
+        out = _merge(reference_attention(q, k, v, bias, q.shape[-1] ** -0.5, padding), hidden.dtype)
+        attn_out = layer.attention.output(out, hidden)  # dense, then LayerNorm(x + residual)
+        hidden = layer.output(layer.intermediate(attn_out), attn_out)
+    head = model.cls if hasattr(model, "cls") else model.lm_head
+    return head(hidden)
+
+
+def _t5_attention(attn, x, memory, bias, padding=None):
+    n_head = attn.n_heads
+    q, k, v = _heads(attn.q(x), n_head), _heads(attn.k(memory), n_head), _heads(attn.v(memory), n_head)
+    return attn.o(_merge(reference_attention(q, k, v, bias, 1.0, padding), x.dtype))  # T5: no 1/sqrt(d)
+
+
+def t5_reference_logits(model, input_ids, decoder_input_ids, kind: str, attention_mask=None) -> torch.Tensor:
+    """A converted T5ForConditionalGeneration by hand: encoder ``kind``, decoder causal, cross-attention none."""
+    n_head = model.config.num_heads
+    padding = attention_mask.bool() if attention_mask is not None else None
+    src, tgt = input_ids.shape[1], decoder_input_ids.shape[1]
+    hidden = model.shared(input_ids)
+    for block in model.encoder.block:
+        self_attn = block.layer[0]
+        bias = layer_bias(kind, n_head, src, src, getattr(self_attn.SelfAttention, "alibi", None))
+        x = self_attn.layer_norm(hidden)
+        hidden = hidden + _t5_attention(self_attn.SelfAttention, x, x, bias, padding)
+        hidden = block.layer[-1](hidden)  # T5LayerFF: x + FF(norm(x))
+    memory = model.encoder.final_layer_norm(hidden)
+    hidden = model.shared(decoder_input_ids)
+    causal, cross = layer_bias("causal", n_head, tgt, tgt), layer_bias("none", n_head, tgt, src)
+    for block in model.decoder.block:
+        x = block.layer[0].layer_norm(hidden)
+        hidden = hidden + _t5_attention(block.layer[0].SelfAttention, x, x, causal)
+        x = block.layer[1].layer_norm(hidden)
+        hidden = hidden + _t5_attention(block.layer[1].EncDecAttention, x, memory, cross, padding)
+        hidden = block.layer[-1](hidden)
+    hidden = model.decoder.final_layer_norm(hidden)
+    if model.config.scale_decoder_outputs:
+        hidden = hidden * model.config.d_model**-0.5
     return model.lm_head(hidden)

@@ -62,7 +62,7 @@ def test_not_a_model():
 
 def test_backend_without_alibi_path_says_what_to_use():
     model = hf_alibi.patch_model(tiny_gpt2())
-    model.config._attn_implementation_internal = "flash_attention_2"
+    model.config._attn_implementation_internal = "flash_attention_3"
     with pytest.raises(NotImplementedError, match="sdpa"):
         model(random_ids(1, 4))
 

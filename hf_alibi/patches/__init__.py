@@ -1,3 +1,3 @@
 """One module per architecture; importing this package registers them all."""
 
-from . import gpt2  # noqa: F401
+from . import bert, gpt2, gpt_neox, t5  # noqa: F401

@@ -1,0 +1,249 @@
+"""What ALiBi costs: each registered architecture, ALiBi model / the same model unpatched.
+
+For every ``hf_alibi.supported_model_types()`` entry that has a builder below, and L in 512, 1024,
+2048: one training step (forward + backward) time and peak memory, ALiBi / unpatched (same
+attention implementation, the unpatched model with its own position path, e.g. GPT-2's ``wpe``);
+then forward-only time at 4096 and cached generation tokens/s. Models are timed interleaved
+(ALiBi, unpatched, ALiBi, ...) and each figure is the median of ``--repeats`` runs, so load from
+other processes hits both sides alike. The "bias" column is the ALiBi model forced onto the
+bias-tensor path (``HF_ALIBI_PATH=bias``), to show what the automatic choice saves.
+
+Threads: 1 by default. On a machine shared with other jobs, two OpenMP threads wait on each other
+at every op (steps ran 3 to 6 times slower and ratios moved by +-30%); one thread does not.
+
+Peak memory on CPU: the process's peak resident set (``VmHWM``), reset before each step by
+writing 5 to ``/proc/self/clear_refs``, minus the resident set just before the step. The script
+re-runs itself with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed tensor to
+the OS at once and the resident set follows the live tensors (Linux only).
+
+    python benchmarks/overhead.py                 # the README's table (a few minutes on 2 cores)
+    python benchmarks/overhead.py --lengths 512 --repeats 3 --types gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    batch: Callable[[int], dict]  # L -> model kwargs for a training step (with labels)
+    generates: bool  # a causal LM: cached generation is measured
+
+
+def _ids(batch: int, length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
+def build_gpt2(alibi: bool, max_len: int, args) -> Built:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=max_len, vocab_size=args.vocab,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=args.attn,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
+
+
+def build_gpt_neox(alibi: bool, max_len: int, args) -> Built:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, hidden_size=args.width,
+        intermediate_size=4 * args.width, max_position_embeddings=max_len, vocab_size=args.vocab,
+        attention_dropout=0.0, hidden_dropout=0.0, attn_implementation=args.attn,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
+
+
+def build_bert(alibi: bool, max_len: int, args) -> Built:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, hidden_size=args.width,
+        intermediate_size=4 * args.width, max_position_embeddings=max_len, vocab_size=args.vocab,
+        attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation=args.attn,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = BertForMaskedLM(config)
+    return Built(_convert(model, alibi, encoder_variant="symmetric"), lambda n: _lm_batch(n, args), generates=False)
+
+
+def _lm_batch(length: int, args) -> dict:
+    ids = _ids(args.batch, length, args.vocab)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _convert(model, alibi: bool, **options):
+    if alibi:
+        import hf_alibi
+
+        hf_alibi.patch_model(model, **options)
+    return model.train()
+
+
+# model_type -> builder(alibi, max_len, args). A new architecture needs one entry here.
+BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "gpt_neox": build_gpt_neox, "bert": build_bert}
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def train_step(model, batch) -> tuple[float, float]:
+    """(seconds, peak MB above the resident set before the step) of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    before = _rss_kb("VmRSS")
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    seconds = time.perf_counter() - start
+    peak = _rss_kb("VmHWM")
+    model.zero_grad(set_to_none=True)
+    return seconds, (peak - before) / 1024
+
+
+def forward_time(model, ids) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids)
+    return time.perf_counter() - start
+
+
+def generate_rate(model, prompt, new_tokens: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return new_tokens / (time.perf_counter() - start)
+
+
+def interleave(measure: Callable, models: dict, repeats: int) -> dict[str, list]:
+    results = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            results[name].append(measure(model))
+    return results
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def run_type(model_type: str, args) -> list[str]:
+    import hf_alibi
+
+    builder = BUILDERS[model_type]
+    max_len = max([*args.lengths, args.forward_length])
+    alibi, plain = builder(True, max_len, args), builder(False, max_len, args)
+    bias = builder(True, max_len, args)
+    hf_alibi.set_attention_path(bias.model, "bias")
+    models = {"alibi": alibi.model, "plain": plain.model, "bias": bias.model}
+    rows = []
+    for length in args.lengths:
+        batch = alibi.batch(length)
+        interleave(lambda m, b=batch: train_step(m, b), models, 1)  # warm-up
+        res = interleave(lambda m, b=batch: train_step(m, b), models, args.repeats)
+        t = {k: median([s for s, _ in v]) for k, v in res.items()}
+        mem = {k: median([mb for _, mb in v]) for k, v in res.items()}
+        rows.append(
+            f"| {model_type} | train fwd+bwd | {length} | {t['alibi'] / t['plain']:.3f} | "
+            f"{mem['alibi'] / mem['plain']:.3f} | {mem['alibi'] - mem['plain']:+.0f} | "
+            f"{t['bias'] / t['plain']:.3f} | {mem['bias'] / mem['plain']:.3f} | "
+            f"{t['plain'] * 1000:.0f} ms, {mem['plain']:.0f} MB |"
+        )
+        print(rows[-1], flush=True)
+    for model in models.values():
+        model.eval()
+    ids = _ids(1, args.forward_length, args.vocab)
+    interleave(lambda m: forward_time(m, ids), models, 1)
+    res = interleave(lambda m: forward_time(m, ids), models, args.repeats)
+    t = {k: median(v) for k, v in res.items()}
+    rows.append(
+        f"| {model_type} | forward, throughput | {args.forward_length} | {t['plain'] / t['alibi']:.3f} | | | "
+        f"{t['plain'] / t['bias']:.3f} | | {t['plain'] * 1000:.0f} ms |"
+    )
+    print(rows[-1], flush=True)
+    if alibi.generates:
+        prompt = _ids(1, args.prompt, args.vocab)
+        interleave(lambda m: generate_rate(m, prompt, 8), models, 1)
+        res = interleave(lambda m: generate_rate(m, prompt, args.new_tokens), models, args.repeats)
+        r = {k: median(v) for k, v in res.items()}
+        rows.append(
+            f"| {model_type} | generate, tokens/s | {args.prompt}+{args.new_tokens} | "
+            f"{r['alibi'] / r['plain']:.3f} | | | "
+            f"{r['bias'] / r['plain']:.3f} | | {r['plain']:.0f} tok/s |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--types", nargs="*", help="model types (default: every registered one with a builder)")
+    parser.add_argument("--lengths", nargs="*", type=int, default=[512, 1024, 2048])
+    parser.add_argument("--forward-length", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="1: robust on a shared machine")
+    args = parser.parse_args()
+
+    if os.environ.get(MMAP_ENV) is None and sys.platform.startswith("linux"):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    import hf_alibi
+
+    registered = hf_alibi.supported_model_types()
+    types = args.types or registered
+    print(
+        f"# torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
+        f"{args.attn}, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
+        f"median of {args.repeats}"
+    )
+    print("| model | measure | L | ALiBi/unpatched time | memory | extra MB | bias path: time | memory | unpatched |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model_type in types:
+        if model_type not in BUILDERS:
+            print(f"| {model_type} | no builder in benchmarks/overhead.py BUILDERS: skipped | | | | | | | |")
+            continue
+        if model_type not in registered:
+            print(f"| {model_type} | not registered with hf_alibi: skipped | | | | | | | |")
+            continue
+        run_type(model_type, args)
+
+
+if __name__ == "__main__":
+    main()

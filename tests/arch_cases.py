@@ -1,0 +1,154 @@
+"""The architectures the parametrized suite runs over: tiny configs, inputs and references.
+
+One ``Case`` per configuration; several may share a model type (GPT-NeoX with parallel and with
+sequential residuals). ``test_architectures.py`` checks that the model types here are exactly
+``hf_alibi.supported_model_types()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+from reference import bert_reference_logits, gpt2_reference_logits, gpt_neox_reference_logits, t5_reference_logits
+from tiny import VOCAB, random_ids, tiny_gpt2
+
+from hf_alibi.slopes import ENCODER_VARIANTS
+
+MAX_LEN = 16  # every tiny config's original maximum length (T5: relative_attention_max_distance)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model_type: str
+    kind: str  # "decoder", "encoder" or "seq2seq"
+    make: Callable[..., transformers.PreTrainedModel]  # make(attn_implementation=...) -> original model, eval
+    auto_class: str
+    plain_class: str  # the transformers class that must refuse the checkpoint
+    removed_fields: tuple[str, ...]
+    takes_position_ids: bool = True
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.kind != "decoder"
+
+    @property
+    def variants(self) -> tuple[str | None, ...]:
+        return ENCODER_VARIANTS if self.bidirectional else (None,)
+
+    def inputs(self, batch: int, length: int, seed: int = 1) -> dict[str, torch.Tensor]:
+        ids = random_ids(batch, length, seed=seed)
+        if self.kind == "seq2seq":  # a target of its own length, past the original maximum too
+            return {"input_ids": ids, "decoder_input_ids": random_ids(batch, length - 3, seed=seed + 100)}
+        return {"input_ids": ids}
+
+    def reference(self, model, inputs: dict, variant: str | None, attention_mask=None) -> torch.Tensor:
+        if self.model_type == "gpt2":
+            return gpt2_reference_logits(model, inputs["input_ids"])
+        if self.model_type == "gpt_neox":
+            return gpt_neox_reference_logits(model, inputs["input_ids"])
+        if self.model_type in ("bert", "roberta"):
+            return bert_reference_logits(model, inputs["input_ids"], variant, attention_mask)
+        if self.model_type == "t5":
+            return t5_reference_logits(
+                model, inputs["input_ids"], inputs["decoder_input_ids"], variant, attention_mask
+            )
+        raise AssertionError(f"no reference for {self.model_type}")
+
+
+def _seeded(cls, config_cls, **values):
+    def make(seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+        torch.manual_seed(seed)
+        config = config_cls(**{**values, **overrides}, attn_implementation=attn_implementation)
+        return cls(config).eval()
+
+    return make
+
+
+def _make_gpt2(seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    return tiny_gpt2(seed=seed, attn_implementation=attn_implementation, **overrides)
+
+
+_NEOX = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=MAX_LEN, bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+)  # fmt: skip
+_BERT = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=MAX_LEN, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)  # fmt: skip
+_ROBERTA = {**_BERT, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+_T5 = dict(
+    vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+    relative_attention_num_buckets=8, relative_attention_max_distance=MAX_LEN, dropout_rate=0.0,
+    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+)  # fmt: skip
+
+CASES = [
+    Case("gpt2", "gpt2", "decoder", _make_gpt2, "AutoModelForCausalLM", "GPT2LMHeadModel", ("n_positions",)),
+    Case(
+        "gpt_neox",  # parallel residual, partial rotary (a quarter of each head rotated)
+        "gpt_neox",
+        "decoder",
+        _seeded(
+            transformers.GPTNeoXForCausalLM,
+            transformers.GPTNeoXConfig,
+            **_NEOX,
+            rotary_pct=0.25,
+            use_parallel_residual=True,
+        ),
+        "AutoModelForCausalLM",
+        "GPTNeoXForCausalLM",
+        ("max_position_embeddings",),
+    ),
+    Case(
+        "gpt_neox_sequential",  # sequential residual, full rotary
+        "gpt_neox",
+        "decoder",
+        _seeded(
+            transformers.GPTNeoXForCausalLM,
+            transformers.GPTNeoXConfig,
+            **_NEOX,
+            rotary_pct=1.0,
+            use_parallel_residual=False,
+        ),
+        "AutoModelForCausalLM",
+        "GPTNeoXForCausalLM",
+        ("max_position_embeddings",),
+    ),
+    Case(
+        "bert",
+        "bert",
+        "encoder",
+        _seeded(transformers.BertForMaskedLM, transformers.BertConfig, **_BERT),
+        "AutoModelForMaskedLM",
+        "BertForMaskedLM",
+        ("max_position_embeddings",),
+    ),
+    Case(
+        "roberta",
+        "roberta",
+        "encoder",
+        _seeded(transformers.RobertaForMaskedLM, transformers.RobertaConfig, **_ROBERTA),
+        "AutoModelForMaskedLM",
+        "RobertaForMaskedLM",
+        ("max_position_embeddings",),
+    ),
+    Case(
+        "t5",
+        "t5",
+        "seq2seq",
+        _seeded(transformers.T5ForConditionalGeneration, transformers.T5Config, **_T5),
+        "AutoModelForSeq2SeqLM",
+        "T5ForConditionalGeneration",
+        ("relative_attention_num_buckets", "relative_attention_max_distance"),
+        takes_position_ids=False,
+    ),
+]
+CASE_IDS = [case.name for case in CASES]
+# (case, encoder variant) pairs: every variant for bidirectional cases, None for decoder-only ones.
+VARIANT_PARAMS = [(case, variant) for case in CASES for variant in case.variants]
+VARIANT_IDS = [f"{case.name}-{variant}" if variant else case.name for case, variant in VARIANT_PARAMS]

@@ -1,0 +1,49 @@
+"""Other classes of the registered model types than the suite's task models."""
+
+import torch
+import transformers
+from arch_cases import _BERT, CASES
+from reference import bert_reference_logits
+from tiny import random_ids
+
+import hf_alibi
+
+
+def test_t5_encoder_model_equals_the_full_models_encoder():
+    case = next(case for case in CASES if case.model_type == "t5")
+    full = hf_alibi.patch_model(case.make(), encoder_variant="nonsymmetric")
+    encoder = transformers.T5EncoderModel(case.make().config).eval()  # shares its config with its stack
+    encoder.load_state_dict(full.state_dict(), strict=False)
+    hf_alibi.patch_model(encoder, encoder_variant="nonsymmetric")
+    ids = random_ids(2, 50)
+    with torch.no_grad():
+        expected = full(input_ids=ids, decoder_input_ids=ids[:, :3]).encoder_last_hidden_state
+        torch.testing.assert_close(encoder(ids).last_hidden_state, expected, rtol=0, atol=1e-6)
+
+
+def test_bert_as_a_decoder_is_causal_and_generates_with_cache():
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(transformers.BertConfig(**_BERT, is_decoder=True)).eval()
+    hf_alibi.patch_model(model)
+    prompt = random_ids(1, 5)
+    with torch.no_grad():
+        reference = bert_reference_logits(model, random_ids(1, 40), "causal")
+        torch.testing.assert_close(model(random_ids(1, 40)).logits, reference.float(), rtol=0, atol=1e-5)
+        cached = model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        ids = prompt
+        for _ in range(30):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, ids)
+
+
+def test_bert_inputs_embeds_and_token_types_past_the_original_maximum():
+    model = hf_alibi.patch_model(transformers.BertForMaskedLM(transformers.BertConfig(**_BERT)).eval())
+    ids = random_ids(2, 70)
+    with torch.no_grad():
+        by_ids = model(ids).logits
+        by_embeds = model(inputs_embeds=model.bert.embeddings.word_embeddings(ids)).logits
+        zeros = model(ids, token_type_ids=torch.zeros_like(ids)).logits
+        ones = model(ids, token_type_ids=torch.ones_like(ids)).logits
+    torch.testing.assert_close(by_embeds, by_ids, rtol=0, atol=1e-6)
+    torch.testing.assert_close(zeros, by_ids, rtol=0, atol=0)
+    assert (ones - zeros).abs().max() > 1e-3  # token types still count
