@@ -18,7 +18,7 @@ ARCHITECTURES = sorted(TINY_BY_TYPE)
 
 def test_every_registered_architecture_has_remote_code_and_tests():
     assert sorted(hf_alibi.supported_model_types()) == ARCHITECTURES
-    assert set(ARCHITECTURES) <= set(modeling_alibi.CONVERTERS)
+    assert sorted(modeling_alibi.CONVERTERS) == ARCHITECTURES
     for model_type in ARCHITECTURES:
         # the same config fields are removed by hf_alibi and by the remote code
         assert modeling_alibi.CONVERTERS[model_type][1] == hf_alibi.get_spec(model_type).removed_config_fields
@@ -87,6 +87,14 @@ def saved(request, tmp_path_factory):
 
 CHILD_COMPARE = """
 import json, os, sys, torch, transformers
+refusals = {}  # first, without trust_remote_code: the Auto class and the original class must refuse
+os.chdir(os.path.join(ROOT, VARIANTS[0]))
+for loader in (AUTO, BASE):
+    try:
+        getattr(transformers, loader).from_pretrained(".")
+        refusals[loader] = "LOADED"
+    except Exception as error:
+        refusals[loader] = type(error).__name__ + ": " + str(error)
 reports = {}
 for variant in VARIANTS:
     os.chdir(os.path.join(ROOT, variant))
@@ -108,20 +116,27 @@ for variant in VARIANTS:
     model.set_attn_implementation("eager")
     report["attn_eager"] = model.config._attn_implementation
     diff("eager")
-print(json.dumps({"hf_alibi_loaded": "hf_alibi" in sys.modules, "reports": reports}))
+print(json.dumps({"hf_alibi_loaded": "hf_alibi" in sys.modules, "reports": reports, "refusals": refusals}))
 """
 
 
-def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, tmp_path):
+@pytest.fixture(scope="module")
+def child_output(saved, tmp_path_factory):
+    """One fresh process that cannot import hf_alibi loads every variant's folder (see CHILD_COMPARE)."""
     case, root, auto_name = saved
     variants = [_variant_dir(v) for v in case.variants]
-    prelude = f"AUTO = {auto_name!r}\nROOT = {str(root)!r}\nVARIANTS = {variants!r}\n"
-    result = run_child(prelude + CHILD_COMPARE, root, tmp_path / "hf", block_hf_alibi=True)
+    base = auto_classes_for(case.model_type)[auto_name]
+    prelude = f"AUTO = {auto_name!r}\nBASE = {base!r}\nROOT = {str(root)!r}\nVARIANTS = {variants!r}\n"
+    result = run_child(prelude + CHILD_COMPARE, root, tmp_path_factory.mktemp("hf"), block_hf_alibi=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    output = last_json_line(result.stdout)
-    assert output["hf_alibi_loaded"] is False
-    assert sorted(output["reports"]) == sorted(variants)
-    for variant, report in output["reports"].items():
+    return last_json_line(result.stdout)
+
+
+def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, child_output):
+    case, root, auto_name = saved
+    assert child_output["hf_alibi_loaded"] is False
+    assert sorted(child_output["reports"]) == sorted(_variant_dir(v) for v in case.variants)
+    for variant, report in child_output["reports"].items():
         assert report["module"].startswith("transformers_modules.") and report["module"].endswith(".modeling_alibi")
         assert report["class"] == "Alibi" + auto_classes_for(case.model_type)[auto_name]
         assert report["attn"] == "alibi_remote_sdpa" and report["attn_eager"] == "alibi_remote_eager"
@@ -131,28 +146,13 @@ def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, tmp_path):
             assert report["generated_equal"], (variant, report)
 
 
-def test_without_trust_remote_code_loading_fails_clearly(saved, tmp_path):
+def test_without_trust_remote_code_loading_fails_clearly(saved, child_output):
     case, root, auto_name = saved
-    model_type, folder = case.model_type, root / _variant_dir(case.variants[0])
-    base_class = auto_classes_for(model_type)[auto_name]
-    code = f"""
-    import json, transformers
-    results = {{}}
-    for loader in ("{auto_name}", "{base_class}"):
-        try:
-            getattr(transformers, loader).from_pretrained(".")
-            results[loader] = "LOADED"
-        except Exception as error:
-            results[loader] = type(error).__name__ + ": " + str(error)
-    print(json.dumps(results))
-    """
-    result = run_child(code, folder, tmp_path / "hf", block_hf_alibi=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    results = last_json_line(result.stdout)
+    refusals = child_output["refusals"]
     # the Auto class sees the remote code and asks for trust_remote_code
-    assert "trust_remote_code=True" in results[auto_name], results
+    assert "trust_remote_code=True" in refusals[auto_name], refusals
     # the original class is refused by the marker in place of the removed position-table size
-    assert "removed by hf_alibi" in results[base_class], results
+    assert "removed by hf_alibi" in refusals[auto_classes_for(case.model_type)[auto_name]], refusals
 
 
 def test_remote_code_never_replaces_hf_alibis_functions(saved):
