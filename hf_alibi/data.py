@@ -138,16 +138,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, save_dir: Path
     return fast
 
 
-def embedded_tokenizer(corpus, vocab_size: int = 8192, cache_dir: Path | str | None = None):
-    """The tokenizer trained on ``corpus["train"]``, cached next to the corpus by vocabulary size."""
+def embedded_tokenizer(corpus, vocab_size: int = 8192, cache_dir: Path | str | None = None, column: str = "text"):
+    """The tokenizer trained on ``corpus["train"][column]``, cached by vocabulary size and a hash of the text."""
     from transformers import PreTrainedTokenizerFast
 
-    key = hashlib.sha256("\n".join(corpus["train"]["path"]).encode()).hexdigest()[:16]
+    texts = list(corpus["train"][column])
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode()).digest())
+    key = digest.hexdigest()[:16]
     directory = Path(cache_dir or default_cache_dir()) / f"bpe-{vocab_size}-{key}"
     if (directory / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
-    tokenizer = train_tokenizer(corpus["train"]["text"], vocab_size, save_dir=tmp)
+    tokenizer = train_tokenizer(texts, vocab_size, save_dir=tmp)
     try:
         os.replace(tmp, directory)
     except OSError:  # another process finished first: use its copy
