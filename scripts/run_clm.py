@@ -18,7 +18,9 @@ one linear ``main()``), plus:
 Example (see README.md for the main job):
     python scripts/run_clm.py --model_type gpt2 --alibi --config_overrides n_layer=4,n_embd=256,n_head=4 \
         --block_size 128 --max_steps 500 --eval_lengths 128,256,512,1024 --output_dir out/alibi
-Several processes (DDP, gloo): ``accelerate launch --cpu --num_processes 2 scripts/run_clm.py ...``.
+Several processes on CPUs (DDP, gloo):
+    accelerate launch --multi_gpu --num_processes 2 scripts/run_clm.py --use_cpu ...
+(with accelerate 1.15, ``accelerate launch --cpu --num_processes 2`` starts one process: its multi-CPU path is mpirun).
 """
 
 from __future__ import annotations
