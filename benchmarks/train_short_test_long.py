@@ -91,6 +91,63 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def train_step(model, optimizer, ids, scaling, step, args):
+    start = time.perf_counter()
+    data = scale_sequence_length({"input_ids": ids, "labels": ids}, scaling)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    loss = model(**data).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, loss
+
+
+def train_short_interleaved(args):
+    """Both arms in one process, their steps interleaved (order alternating), each step timed: on a
+    shared machine the load then falls on both arms alike. Peak memory needs --mode train-short."""
+    torch.set_num_threads(args.threads)
+    streams, vocab = load_tokens(args)
+    arms = {"gpt2": 1.0, "alibi_gpt2": args.scaling}
+    models = {arch: build(arch, args, vocab, args.length).train() for arch in arms}
+    optimizers = {
+        arch: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+        for arch, m in models.items()
+    }
+    probe = streams["validation"][: args.probe_tokens]
+    seconds = dict.fromkeys(arms, 0.0)
+    step_times = {arch: [] for arch in arms}
+    curves = {arch: [] for arch in arms}
+    for step, ids in enumerate(batches(streams["train"], args.steps, args.batch, args.length, args.seed)):
+        for arch in list(arms) if step % 2 == 0 else list(arms)[::-1]:
+            took, _ = train_step(models[arch], optimizers[arch], ids, arms[arch], step, args)
+            seconds[arch] += took
+            step_times[arch].append(took)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            for arch, model in models.items():
+                ppl = evaluate_perplexity(model, probe, args.length, None, batch_size=8)["perplexity"]
+                model.train()
+                curves[arch].append({"step": step + 1, "train_seconds": seconds[arch], "ppl_at_L": ppl})
+    base, alibi = curves["gpt2"], curves["alibi_gpt2"]
+    target = base[-1]["ppl_at_L"]
+    median = {arch: sorted(t)[len(t) // 2] for arch, t in step_times.items()}
+    print(f"median step: unpatched GPT-2 at {args.length}: {median['gpt2'] * 1000:.1f} ms, ALiBi at "
+          f"{int(args.length * args.scaling)}: {median['alibi_gpt2'] * 1000:.1f} ms, "
+          f"ratio {median['alibi_gpt2'] / median['gpt2']:.3f}")  # fmt: skip
+    print(f"unpatched GPT-2 at L={args.length}: final ppl at L {target:.2f} after {seconds['gpt2']:.1f} s")
+    for name, curve in (("unpatched", base), ("ALiBi", alibi)):
+        print(f"  {name:>9} ppl at L by step: " + ", ".join(f"{p['step']}: {p['ppl_at_L']:.1f}" for p in curve))
+    reached = next((point for point in alibi if point["ppl_at_L"] <= target), None)
+    if reached is None:
+        print(f"ALiBi did NOT reach {target:.2f} within {args.steps} steps (final {alibi[-1]['ppl_at_L']:.2f})")
+    else:
+        print(f"ALiBi at L*{args.scaling:g}: reached ppl {reached['ppl_at_L']:.2f} <= {target:.2f} at step "
+              f"{reached['step']}, {reached['train_seconds']:.1f} s: {reached['train_seconds'] / seconds['gpt2']:.3f} "
+              f"of the baseline's training wall-clock")  # fmt: skip
+    return {"curves": curves, "seconds": seconds, "median_step_seconds": median, "target_ppl": target}
+
+
 def train_arm(arch, args, scaling, queue):
     torch.set_num_threads(args.threads)
     streams, vocab = load_tokens(args)
@@ -100,16 +157,8 @@ def train_arm(arch, args, scaling, queue):
     probe = streams["validation"][: args.probe_tokens]
     train_seconds, curve = 0.0, []
     for step, ids in enumerate(batches(streams["train"], args.steps, args.batch, args.length, args.seed)):
-        start = time.perf_counter()
-        data = scale_sequence_length({"input_ids": ids, "labels": ids}, scaling)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        loss = model(**data).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_seconds += time.perf_counter() - start
+        seconds, loss = train_step(model, optimizer, ids, scaling, step, args)
+        train_seconds += seconds
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             ppl = evaluate_perplexity(model, probe, args.length, None, batch_size=8)["perplexity"]
             model.train()
@@ -190,7 +239,9 @@ def train_short(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["extrapolation", "train-short"], default="extrapolation")
+    parser.add_argument(
+        "--mode", choices=["extrapolation", "train-short", "train-short-interleaved"], default="extrapolation"
+    )
     parser.add_argument("--length", type=int, default=64, help="L: training length of the unpatched models")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
@@ -211,14 +262,19 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="write the figures as JSON")
     args = parser.parse_args()
-    if args.mode == "train-short" and not args.eval_every:
+    if args.mode.startswith("train-short") and not args.eval_every:
         args.eval_every = max(1, args.steps // 10)
     print(
         f"{args.mode}: L={args.length}, {args.steps} steps x {args.batch} x {args.length} tokens, "
         f"{args.layers} layers, width {args.width}, {args.heads} heads, vocab {args.vocab_size}",
         flush=True,
     )
-    results = extrapolation(args) if args.mode == "extrapolation" else train_short(args)
+    modes = {
+        "extrapolation": extrapolation,
+        "train-short": train_short,
+        "train-short-interleaved": train_short_interleaved,
+    }
+    results = modes[args.mode](args)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2, default=str)
