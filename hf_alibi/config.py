@@ -8,6 +8,7 @@ ever loading the checkpoint as the original architecture with fresh position emb
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,8 @@ def alibi_config_class(
     ``removed_fields`` are the base config's sizes of the removed position path: here they may be
     ``None`` (in memory) or the marker (in config.json), never silently an int the base reads.
     """
+    if issubclass(base_config_class, AlibiConfigMixin):  # already one (e.g. T5's stack configs on reload)
+        return base_config_class
     cls = _CONFIG_CLASSES.get(base_config_class)
     if cls is None:
         name = "Alibi" + base_config_class.__name__
@@ -157,3 +160,27 @@ def alibi_config_class(
         cls.__validators__ = {k: v for k, v in cls.__validators__.items() if k not in removed_fields}
         _CONFIG_CLASSES[base_config_class] = cls
     return cls
+
+
+def alibi_config_copy(
+    config: PretrainedConfig, base_model_type: str, removed_fields: tuple[str, ...], alibi: dict[str, Any]
+) -> PretrainedConfig:
+    """A deep copy of ``config`` as its ``Alibi<Config>`` class: ``alibi`` set, removed fields ``None``.
+
+    A copy, since another model built from the same config object must not change with this one.
+    """
+    new = copy.deepcopy(config)
+    new.__class__ = alibi_config_class(type(config), base_model_type, removed_fields)
+    if "model_type" in vars(new):  # a config read from config.json holds its model_type per instance
+        new.model_type = type(new).model_type
+    new.alibi = dict(alibi)
+    for name in removed_fields:
+        setattr(new, name, None)
+    return new
+
+
+def rebind_config(root, old: PretrainedConfig, new: PretrainedConfig) -> None:
+    """Point every submodule of ``root`` that holds ``old`` as its ``config`` at ``new``."""
+    for module in root.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new

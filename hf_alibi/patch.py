@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 from transformers import PreTrainedModel
 
-from .config import AlibiSettings, alibi_config_class, get_settings, is_alibi_config
+from .config import AlibiSettings, alibi_config_copy, get_settings, is_alibi_config, rebind_config
 from .registry import get_spec
 from .slopes import ENCODER_VARIANTS, SYMMETRIC
 
@@ -84,18 +82,9 @@ def patch_model(
         )
     settings = AlibiSettings(base_model_type=config.model_type, heads=heads, encoder_variant=encoder_variant)
 
-    # Everything is validated: from here on the instance changes. The config gets a copy of its
-    # own, since another model built from the same config object must not change with this one.
-    new_config = copy.deepcopy(config)
-    new_config.__class__ = alibi_config_class(type(config), config.model_type, spec.removed_config_fields)
-    if "model_type" in vars(new_config):  # a config read from config.json holds its model_type per instance
-        new_config.model_type = type(new_config).model_type
-    new_config.alibi = settings.to_dict()
-    for name in spec.removed_config_fields:
-        setattr(new_config, name, None)
-    for module in model.modules():
-        if getattr(module, "config", None) is config:
-            module.config = new_config
+    # Everything is validated: from here on the instance changes (its config becomes a copy).
+    new_config = alibi_config_copy(config, config.model_type, spec.removed_config_fields, settings.to_dict())
+    rebind_config(model, config, new_config)
     model.__class__ = alibi_cls
     spec.apply(model, settings)
     return model

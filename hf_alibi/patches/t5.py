@@ -13,13 +13,11 @@ own here, since transformers reads the attention implementation from the stack's
 
 from __future__ import annotations
 
-import copy
-
 import transformers
 from torch import nn
 
 from ..attention import AlibiBias
-from ..config import AlibiSettings
+from ..config import AlibiSettings, alibi_config_copy, rebind_config
 from ..registry import ArchitectureSpec, register_architecture
 from ..slopes import CAUSAL
 
@@ -30,14 +28,7 @@ def _give_alibi_config(stack: nn.Module, model_config) -> None:
     old = stack.config
     if old is model_config:  # T5EncoderModel shares the model's config
         return
-    new = copy.deepcopy(old)
-    new.__class__ = type(model_config)
-    new.alibi = dict(model_config.alibi)
-    for name in REMOVED_FIELDS:
-        setattr(new, name, None)
-    for module in stack.modules():
-        if getattr(module, "config", None) is old:
-            module.config = new
+    rebind_config(stack, old, alibi_config_copy(old, "t5", REMOVED_FIELDS, model_config.alibi))
 
 
 def convert(model: transformers.PreTrainedModel, settings: AlibiSettings) -> None:
