@@ -4,27 +4,30 @@ Importing registers hf_alibi's attention functions and model types with transfor
 only); it never patches anything. Converting is explicit: :func:`patch_model`.
 """
 
-from .attention import AlibiBias, register_backends, set_attention_path
-from .config import AlibiSettings, get_settings, is_alibi_config
+from . import models  # noqa: F401  (the home of the Alibi<Class> classes; transformers reads it by name)
+from .core.architectures import ARCHITECTURES, Architecture
+from .core.bias import AlibiBias, set_attention_path
+from .core.config import AlibiSettings, get_settings, is_alibi_config
+from .core.dispatch import register_backends
+from .core.slopes import alibi_bias, get_slopes, get_slopes_list
+from .core.version import __version__
 from .patch import is_alibi_model, patch_model
-from .registry import ArchitectureSpec, get_spec, register_architecture, supported_model_types
-from .slopes import alibi_bias, get_slopes, get_slopes_list
-from .version import __version__
+from .registry import get_architecture, register_architecture, register_builtin_architectures, supported_model_types
 
 register_backends()
-
-from . import patches  # noqa: E402,F401  (registers the built-in architectures)
+register_builtin_architectures()
 
 __all__ = [
+    "ARCHITECTURES",
     "AlibiBias",
     "AlibiSettings",
-    "ArchitectureSpec",
+    "Architecture",
     "__version__",
     "alibi_bias",
+    "get_architecture",
     "get_settings",
     "get_slopes",
     "get_slopes_list",
-    "get_spec",
     "is_alibi_config",
     "is_alibi_model",
     "patch_model",

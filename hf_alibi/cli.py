@@ -76,15 +76,16 @@ def model_class_for(config_dict: dict):
 
     import hf_alibi
     from hf_alibi.hub import auto_classes_for
+    from hf_alibi.registry import alibi_classes
 
     model_type = config_dict["model_type"]
     if model_type.startswith("alibi_"):
         raise CliError(f"SRC is already an ALiBi checkpoint (model_type {model_type!r}); there is nothing to convert.")
     try:
-        spec = hf_alibi.get_spec(model_type)
+        hf_alibi.get_architecture(model_type)
     except ValueError as error:
         raise CliError(str(error)) from error
-    convertible = {cls.__name__: cls for cls in spec.alibi_classes}
+    convertible = {cls.__name__: cls for cls in alibi_classes(model_type)}
     for name in config_dict.get("architectures") or []:
         if name in convertible:
             return convertible[name]
@@ -225,7 +226,7 @@ def _print_info(info: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hf_alibi.slopes import ENCODER_VARIANTS
+    from hf_alibi.core.slopes import ENCODER_VARIANTS
 
     parser = argparse.ArgumentParser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -3,9 +3,9 @@
 Every folder an ALiBi model is saved to (``save_pretrained``, ``push_to_hub``, ``hf-alibi convert``)
 also gets:
 
-* ``modeling_alibi.py``: a self-contained copy of the conversion (``hf_alibi/remote/``), and
-  ``auto_map`` in config.json pointing at it, so that people without hf_alibi can load the checkpoint
-  with ``trust_remote_code=True``;
+* ``modeling_alibi.py`` and the modules it imports: hf_alibi's own ``core`` package, byte for byte
+  (the entry module and its flat relative imports), and ``auto_map`` in config.json pointing at it,
+  so that people without hf_alibi can load the checkpoint with ``trust_remote_code=True``;
 * ``README.md``: a model card with the Hub's metadata header (kept when the folder already has one).
 
 :class:`AlibiPreTrainedMixin` is the base of every ``Alibi<Class>`` made by the registry; it routes
@@ -21,14 +21,28 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from transformers.models.auto import modeling_auto
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.utils import logging
 
-from .config import get_settings, is_alibi_config
-from .slopes import get_slopes_list
-from .version import __version__
+from .core.compat import auto_class_names
+from .core.config import get_settings, is_alibi_config
+from .core.slopes import get_slopes_list
+from .core.strategies import STRATEGIES
+from .core.version import __version__
 
-REMOTE_CODE_FILE = Path(__file__).parent / "remote" / "modeling_alibi.py"
+logger = logging.get_logger(__name__)
+
+# The entry module auto_map names; it and the core modules it imports are copied unchanged.
+REMOTE_CODE_FILE = Path(__file__).parent / "core" / "modeling_alibi.py"
 REMOTE_MODULE = REMOTE_CODE_FILE.stem  # "modeling_alibi"
+BUILTIN_STRATEGIES = frozenset(STRATEGIES)
+
+
+def remote_code_files() -> list[Path]:
+    """The files a checkpoint's remote code is made of: the entry module and, followed the way
+    transformers' dynamic-module loader follows them, the core modules it imports."""
+    return [REMOTE_CODE_FILE, *sorted(Path(f) for f in get_relative_import_files(REMOTE_CODE_FILE))]
+
 
 # Auto class -> the Hub's pipeline tag, for the model card (first match wins).
 PIPELINE_TAGS = {
@@ -38,20 +52,7 @@ PIPELINE_TAGS = {
 }
 
 
-def auto_classes_for(base_model_type: str) -> dict[str, str]:
-    """transformers' Auto class name -> model class name, for one base ``model_type``.
-
-    >>> auto_classes_for("gpt2")["AutoModelForCausalLM"]
-    'GPT2LMHeadModel'
-    """
-    from .registry import AUTO_CLASSES
-
-    classes = {}
-    for auto_name in AUTO_CLASSES:
-        class_name = getattr(modeling_auto, auto_name)._model_mapping._model_mapping.get(base_model_type)
-        if isinstance(class_name, str):
-            classes[auto_name] = class_name
-    return classes
+auto_classes_for = auto_class_names  # transformers' Auto class name -> model class name, per model_type
 
 
 def auto_map_for(config) -> dict[str, str]:
@@ -64,14 +65,27 @@ def auto_map_for(config) -> dict[str, str]:
     return auto_map
 
 
-def add_remote_code(folder: str | os.PathLike, config) -> None:
-    """Copy ``modeling_alibi.py`` into ``folder`` and point config.json's ``auto_map`` at it."""
+def add_remote_code(folder: str | os.PathLike, config) -> bool:
+    """Copy the remote code into ``folder`` and point config.json's ``auto_map`` at it. True when written.
+
+    A row with a custom strategy (not one of the core's) cannot run from the core's files alone: no
+    remote code is written then (a warning says so), and the folder loads only where that code runs.
+    """
     folder = Path(folder)
-    shutil.copyfile(REMOTE_CODE_FILE, folder / REMOTE_CODE_FILE.name)
+    strategy = (get_settings(config).architecture or {}).get("strategy")
+    if strategy is not None and strategy not in BUILTIN_STRATEGIES:
+        logger.warning(
+            f"No remote code written to {folder}: its architecture uses the custom strategy {strategy!r}, "
+            "so it loads only after the code that registers it (hf_alibi.register_architecture)."
+        )
+        return False
+    for source in remote_code_files():
+        shutil.copyfile(source, folder / source.name)
     config_path = folder / "config.json"
     data = json.loads(config_path.read_text())
     data["auto_map"] = auto_map_for(config)
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return True
 
 
 def _looks_like_hub_id(name: str | None) -> bool:
@@ -208,8 +222,11 @@ def push_folder(
     from huggingface_hub import HfApi
 
     folder = Path(folder)
-    if not (folder / REMOTE_CODE_FILE.name).is_file():
-        raise ValueError(f"{folder} holds no {REMOTE_CODE_FILE.name}: save an ALiBi model there first.")
+    config_path = folder / "config.json"
+    if not config_path.is_file() or "alibi" not in json.loads(config_path.read_text()):
+        raise ValueError(
+            f"{folder} holds no ALiBi checkpoint (config.json with 'alibi'): save an ALiBi model there first."
+        )
     api = HfApi(token=token)
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from .config import AlibiSettings, alibi_config_copy, get_settings, is_alibi_config, rebind_config
-from .registry import get_spec
-from .slopes import ENCODER_VARIANTS, SYMMETRIC
+from .core.config import AlibiSettings, get_settings, is_alibi_config
+from .core.modeling import convert
+from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
+from .registry import alibi_classes, get_architecture
 
 
 def is_alibi_model(model: PreTrainedModel) -> bool:
@@ -21,12 +22,13 @@ def patch_model(
 ) -> PreTrainedModel:
     """Convert ``model`` to ALiBi in place and return it.
 
-    The position path is removed (GPT-2's ``wpe`` goes: inputs of any length run, position ids are
-    ignored) and every self-attention layer adds the ALiBi bias through transformers' attention
-    interface, for the backend the model uses (``eager``, ``sdpa``). Only this instance changes:
-    its class becomes ``Alibi<Class>`` and its config ``Alibi<Config>`` with ``config.alibi``, so
+    The position path is removed (GPT-2's ``wpe``, a rotary embedding, BERT's table, T5's relative
+    bias: inputs of any length run, position ids are ignored) and every self-attention layer adds the
+    ALiBi bias through transformers' attention interface, for the backend the model uses (``eager``,
+    ``sdpa``, ``flex_attention``, ``flash_attention_2``). Only this instance changes: its class
+    becomes ``Alibi<Class>`` and its config ``Alibi<Config>`` with ``config.alibi``, so
     ``save_pretrained`` writes ``model_type="alibi_<type>"`` and, after ``import hf_alibi``,
-    ``AutoModel*.from_pretrained`` rebuilds the same model.
+    ``AutoModel*.from_pretrained`` rebuilds the same model. Every weight that is not removed is kept.
 
     Args:
         model: a model of a registered architecture (:func:`hf_alibi.supported_model_types`).
@@ -56,7 +58,7 @@ def patch_model(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
             "model once. Load the original checkpoint again to convert it with other settings."
         )
-    spec = get_spec(config.model_type)
+    row = get_architecture(config.model_type)
     config_heads = config.num_attention_heads
     if heads is None:
         heads = config_heads
@@ -65,7 +67,7 @@ def patch_model(
             f"heads={heads} does not match the model's {config_heads} attention heads "
             f"(config.num_attention_heads); ALiBi needs one slope per head. Pass heads={config_heads} or omit it."
         )
-    if spec.bidirectional:
+    if row.bidirectional:
         encoder_variant = SYMMETRIC if encoder_variant is None else encoder_variant
         if encoder_variant not in ENCODER_VARIANTS:
             raise ValueError(f"encoder_variant must be one of {ENCODER_VARIANTS}, got {encoder_variant!r}.")
@@ -74,17 +76,16 @@ def patch_model(
             f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
             f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
         )
-    alibi_cls = spec.alibi_classes.get(type(model))
+    classes = alibi_classes(config.model_type)
+    alibi_cls = classes.get(type(model))
     if alibi_cls is None:
         raise ValueError(
             f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
-            f"it converts: {', '.join(sorted(cls.__name__ for cls in spec.alibi_classes))}."
+            f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
         )
-    settings = AlibiSettings(base_model_type=config.model_type, heads=heads, encoder_variant=encoder_variant)
-
+    settings = AlibiSettings(
+        base_model_type=config.model_type, heads=heads, encoder_variant=encoder_variant, architecture=row.to_dict()
+    )
     # Everything is validated: from here on the instance changes (its config becomes a copy).
-    new_config = alibi_config_copy(config, config.model_type, spec.removed_config_fields, settings.to_dict())
-    rebind_config(model, config, new_config)
-    model.__class__ = alibi_cls
-    spec.apply(model, settings)
+    convert(model, settings, row, alibi_cls)
     return model

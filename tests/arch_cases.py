@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from reference import bert_reference_logits, gpt2_reference_logits, gpt_neox_reference_logits, t5_reference_logits
+from reference import (
+    bert_reference_logits,
+    gpt2_reference_logits,
+    gpt_neox_reference_logits,
+    rotary_reference_logits,
+    t5_reference_logits,
+)
 from tiny import VOCAB, random_ids, tiny_gpt2
 
-from hf_alibi.slopes import ENCODER_VARIANTS
+from hf_alibi.core.slopes import ENCODER_VARIANTS
 
 MAX_LEN = 16  # every tiny config's original maximum length (T5: relative_attention_max_distance)
 
@@ -45,6 +51,11 @@ class Case:
             return {"input_ids": ids, "decoder_input_ids": random_ids(batch, length - 3, seed=seed + 100)}
         return {"input_ids": ids}
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends transformers allows this architecture (Gemma 2 soft-caps: no sdpa)."""
+        return ROTARY_BACKENDS.get(self.model_type, ("eager", "sdpa"))
+
     def reference(self, model, inputs: dict, variant: str | None, attention_mask=None) -> torch.Tensor:
         if self.model_type == "gpt2":
             return gpt2_reference_logits(model, inputs["input_ids"])
@@ -56,11 +67,13 @@ class Case:
             return t5_reference_logits(
                 model, inputs["input_ids"], inputs["decoder_input_ids"], variant, attention_mask
             )
+        if self.kind == "decoder":  # the rotary decoders
+            return rotary_reference_logits(self.make, model, inputs["input_ids"], attention_mask)
         raise AssertionError(f"no reference for {self.model_type}")
 
 
-def _seeded(cls, config_cls, **values):
-    def make(seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+def _seeded(cls, config_cls, default_backend: str = "sdpa", **values):
+    def make(seed: int = 0, attn_implementation: str = default_backend, **overrides):
         torch.manual_seed(seed)
         config = config_cls(**{**values, **overrides}, attn_implementation=attn_implementation)
         return cls(config).eval()
@@ -148,6 +161,47 @@ CASES = [
         takes_position_ids=False,
     ),
 ]
+# The rotary decoders: one tiny config each (2 layers, 4 query heads of 8, 2 KV heads: grouped-query
+# attention everywhere), with what the family adds to attention switched on where the config has it.
+_ROTARY = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_LEN, bos_token_id=0, eos_token_id=0,
+    pad_token_id=0, attention_dropout=0.0,
+)  # fmt: skip
+ROTARY_EXTRAS = {
+    "cohere": dict(logit_scale=1.0),
+    "gemma": {},
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=50.0),  # soft-capping: eager / flex only
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
+    "llama": {},
+    "mistral": dict(sliding_window=8),
+    "olmo": {},
+    "olmo2": {},
+    "phi3": dict(partial_rotary_factor=0.5),
+    "qwen2": dict(sliding_window=8, use_sliding_window=True, max_window_layers=1),
+    "qwen3": {},
+    "stablelm": dict(partial_rotary_factor=0.25, use_qk_layernorm=True),
+    "starcoder2": dict(sliding_window=8, residual_dropout=0.0, embedding_dropout=0.0),
+}
+# Backends transformers allows for the row's classes, in the order the tests use them.
+ROTARY_BACKENDS = {"gemma2": ("eager", "flex_attention")}
+
+
+def _rotary_case(model_type: str) -> Case:
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    model_cls = getattr(
+        transformers, transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    )
+    return Case(
+        model_type, model_type, "decoder",
+        _seeded(model_cls, config_cls, ROTARY_BACKENDS.get(model_type, ("sdpa",))[-1], **_ROTARY,
+                **ROTARY_EXTRAS[model_type]),
+        "AutoModelForCausalLM", model_cls.__name__, ("max_position_embeddings",),
+    )  # fmt: skip
+
+
+CASES += [_rotary_case(model_type) for model_type in ROTARY_EXTRAS]
 CASE_IDS = [case.name for case in CASES]
 # (case, encoder variant) pairs: every variant for bidirectional cases, None for decoder-only ones.
 VARIANT_PARAMS = [(case, variant) for case in CASES for variant in case.variants]

@@ -201,3 +201,53 @@ def t5_reference_logits(model, input_ids, decoder_input_ids, kind: str, attentio
     if model.config.scale_decoder_outputs:
         hidden = hidden * model.config.d_model**-0.5
     return model.lm_head(hidden)
+
+
+# --- the rotary decoders (Llama family): the original model, unrotated, with an explicit-bias attention --------
+# Written without hf_alibi: the rotation is removed by zeroing the original rotary embedding's inverse
+# frequencies (so cos = 1, sin = 0 at every position), and attention is a function registered here, through
+# transformers' public attention interface, that adds the loop-built causal bias in float64 to transformers'
+# own eager mask (causality, padding and sliding windows), after the model's soft-cap if it has one.
+
+REFERENCE_ATTENTION = "hf_alibi_tests_reference"
+
+
+def reference_alibi_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                              **kwargs):  # fmt: skip
+    n_head, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
+    rep = n_head // key.shape[1]  # grouped KV heads: each serves `rep` consecutive query heads
+    k, v = key.repeat_interleave(rep, dim=1).double(), value.repeat_interleave(rep, dim=1).double()
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + _fixed_bias("causal", n_head, q_len, kv_len)
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :kv_len].double()
+    out = torch.einsum("bhqk,bhkd->bqhd", torch.softmax(scores, dim=-1), v)
+    return out.to(query.dtype), None
+
+
+def _register_reference_attention() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(REFERENCE_ATTENTION, reference_alibi_attention)
+    AttentionMaskInterface.register(REFERENCE_ATTENTION, eager_mask)
+
+
+_register_reference_attention()
+
+
+def rotary_reference_logits(make_original, model, input_ids, attention_mask=None) -> torch.Tensor:
+    """Logits of a converted rotary decoder, computed by its original architecture with the same weights,
+    the rotation zeroed and the reference attention above. ``make_original(attn_implementation=...)``
+    builds the original model."""
+    reference = make_original(attn_implementation=REFERENCE_ATTENTION)
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("inv_freq" in name for name in missing), (missing, unexpected)
+    for name, buffer in reference.named_buffers():
+        if name.endswith("inv_freq"):
+            buffer.zero_()
+    reference = reference.to(torch.float32).eval()
+    return reference(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -56,7 +56,7 @@ def example_inputs(model_type: str, model) -> dict:
     if model.config.is_encoder_decoder:
         mask[1, 9:] = 0
         inputs["decoder_input_ids"] = torch.randint(1, VOCAB, (2, 10), generator=generator)
-    elif getattr(model.config, "is_decoder", False) or not hf_alibi.get_spec(model_type).bidirectional:
+    elif getattr(model.config, "is_decoder", False) or not hf_alibi.get_architecture(model_type).bidirectional:
         mask[1, :4] = 0
     else:
         mask[1, 9:] = 0

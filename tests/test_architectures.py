@@ -6,8 +6,12 @@ from arch_cases import CASE_IDS, CASES, MAX_LEN, VARIANT_IDS, VARIANT_PARAMS
 
 import hf_alibi
 
-BACKENDS = ["eager", "sdpa"]
 DECODING = [case for case in CASES if case.kind != "encoder"]
+# every (case, variant) with every backend transformers allows for it
+WITH_BACKENDS = [(case, variant, backend) for case, variant in VARIANT_PARAMS for backend in case.backends]
+WITH_BACKENDS_IDS = [f"{name}-{backend}" for name, (case, _) in zip(VARIANT_IDS, VARIANT_PARAMS)
+                     for backend in case.backends]  # fmt: skip
+DECODING_BACKENDS = [(case, backend) for case in DECODING for backend in case.backends]
 BIDIRECTIONAL = [(case, variant) for case, variant in VARIANT_PARAMS if case.bidirectional]
 BIDIRECTIONAL_IDS = [name for name, (case, _) in zip(VARIANT_IDS, VARIANT_PARAMS) if case.bidirectional]
 
@@ -21,8 +25,7 @@ def test_suite_covers_exactly_the_registered_architectures():
     assert sorted({case.model_type for case in CASES}) == hf_alibi.supported_model_types()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("case", "variant"), VARIANT_PARAMS, ids=VARIANT_IDS)
+@pytest.mark.parametrize(("case", "variant", "backend"), WITH_BACKENDS, ids=WITH_BACKENDS_IDS)
 def test_logits_match_reference_at_four_times_max_length(case, variant, backend):
     model = case.make(attn_implementation=backend)
     short, long = case.inputs(2, 12), case.inputs(2, 4 * MAX_LEN)
@@ -30,7 +33,7 @@ def test_logits_match_reference_at_four_times_max_length(case, variant, backend)
     hf_alibi.patch_model(model, encoder_variant=variant)
     assert model.config._attn_implementation == f"alibi_{backend}"
     patched = logits(model, short)
-    assert (patched - original).abs().max() > 1e-2  # the conversion did something
+    assert (patched - original).abs().max() > 1e-3  # the conversion did something (100x the tolerance below)
     out = logits(model, long)
     with torch.no_grad():
         reference = case.reference(model, long, variant)
@@ -51,8 +54,7 @@ def test_position_path_is_gone(case):
     torch.testing.assert_close(logits(model, inputs, position_ids=shuffled), logits(model, inputs), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", DECODING, ids=[case.name for case in DECODING])
+@pytest.mark.parametrize(("case", "backend"), DECODING_BACKENDS, ids=[f"{c.name}-{b}" for c, b in DECODING_BACKENDS])
 def test_generate_with_cache_equals_full_recomputation(case, backend):
     model = hf_alibi.patch_model(case.make(attn_implementation=backend))
     new = MAX_LEN + 8
@@ -145,7 +147,7 @@ def test_padded_batch_matches_reference(case, variant):
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_set_attn_implementation_keeps_the_bias(case):
-    model = hf_alibi.patch_model(case.make(attn_implementation="sdpa"))
+    model = hf_alibi.patch_model(case.make(attn_implementation=case.backends[-1]))
     inputs = case.inputs(1, 2 * MAX_LEN)
     sdpa = logits(model, inputs)
     model.set_attn_implementation("eager")

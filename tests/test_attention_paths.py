@@ -17,7 +17,9 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
-from hf_alibi.attention import BIAS, FOLD_MIN_QUERIES, FOLDED, PATH_ENV, SHARED_MASK, AlibiBias
+from hf_alibi.core.bias import BIAS, FOLDED, AlibiBias
+from hf_alibi.core.dispatch import FOLD_MIN_QUERIES, PATH_ENV
+from hf_alibi.core.mask import MaskCache
 
 H, D = 4, 16
 LENGTHS = [1, 7, 64, 1000]
@@ -27,9 +29,9 @@ NEG = -math.inf
 class Layer(nn.Module):
     """What transformers' attention functions read from a layer: ``alibi``, ``is_causal``, ``training``."""
 
-    def __init__(self, kind: str, path: str = "auto"):
+    def __init__(self, kind: str, path: str = "auto", masks: MaskCache | None = None):
         super().__init__()
-        self.alibi = AlibiBias(kind, H, path=path)
+        self.alibi = AlibiBias(kind, H, path=path, masks=masks)
         self.is_causal = kind == "causal"
         self.eval()
 
@@ -265,30 +267,30 @@ def test_bad_environment_value_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["symmetric", "nonsymmetric"])
 def test_bidirectional_bias_is_built_once_and_broadcast(kind):
-    layers = [Layer(kind) for _ in range(3)]
+    shared = MaskCache()
+    layers = [Layer(kind, masks=shared) for _ in range(3)]
     q, k, v, key_real = make_inputs(9, 9, torch.float32, pad=False)
-    SHARED_MASK.clear()
-    before = SHARED_MASK.builds
+    before = shared.builds
     outs = [run("sdpa", layer, q, k, v, None, 0.25) for layer in layers]
-    assert SHARED_MASK.builds == before + 1
-    assert SHARED_MASK.merged.shape == (1, H, 9, 9)  # broadcast over the batch
+    assert shared.builds == before + 1
+    assert shared.merged.shape == (1, H, 9, 9)  # broadcast over the batch
     assert all(torch.equal(out, outs[0]) for out in outs)
     pad_mask = transformers_mask(kind, 9, 9, key_real, "sdpa", True, torch.float32)
     for layer in layers:  # a new mask object (a new forward): built once more, then shared again
         run("sdpa", layer, q, k, v, pad_mask, 0.25)
-    assert SHARED_MASK.builds == before + 2
+    assert shared.builds == before + 2
     run("sdpa", layers[0], q[:, :, :5], k[:, :, :5], v[:, :, :5], None, 0.25)  # another length
-    assert SHARED_MASK.builds == before + 3
-    SHARED_MASK.clear()
+    assert shared.builds == before + 3
+    shared.release()
+    assert shared.merged is None
 
 
 def test_learned_slopes_are_never_shared():
-    layers = [Layer("learned") for _ in range(2)]
+    shared = MaskCache()
+    layers = [Layer("learned", masks=shared) for _ in range(2)]
     q, k, v, _ = make_inputs(6, 6, torch.float32, pad=False)
-    SHARED_MASK.clear()
-    before = SHARED_MASK.builds
     a, b = (run("sdpa", layer, q, k, v, None, 0.25) for layer in layers)
-    assert SHARED_MASK.builds == before and not torch.equal(a, b)
+    assert shared.builds == 0 and not torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from tiny import random_ids, tiny_gpt2
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import MambaConfig, MambaForCausalLM
 
 import hf_alibi
 
@@ -21,11 +21,10 @@ def assert_untouched(model, before, cls):
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=50))  # fmt: skip
-    with pytest.raises(ValueError, match=r"model_type='llama'.*gpt2.*register_architecture"):
+    model = MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=50))
+    with pytest.raises(ValueError, match=r"model_type='mamba'.*gpt2.*llama.*register_architecture"):
         hf_alibi.patch_model(model)
-    assert model.config.model_type == "llama"
+    assert model.config.model_type == "mamba"
 
 
 def test_wrong_heads_says_both_numbers_and_changes_nothing():

@@ -8,7 +8,8 @@ from tiny import random_ids, tiny_gpt2
 from transformers import StaticCache
 
 import hf_alibi
-from hf_alibi.attention import BIAS, FOLD_MIN_QUERIES, FOLDED, SHARED_MASK
+from hf_alibi.core.bias import BIAS, FOLDED
+from hf_alibi.core.dispatch import FOLD_MIN_QUERIES
 
 
 def paths(model):
@@ -105,12 +106,14 @@ def test_bf16_model_takes_bias_path_and_stays_close():
 def test_bias_path_builds_one_mask_per_forward_and_drops_it():
     model = hf_alibi.patch_model(tiny_gpt2(attn_implementation="eager", n_layer=3))
     ids, mask = padded_batch(9)
-    before = SHARED_MASK.builds
+    masks = model.transformer.h[0].attn.alibi.masks
+    assert all(block.attn.alibi.masks is masks for block in model.transformer.h)  # one cache per model
+    before = masks.builds
     with torch.no_grad():
         model(ids, attention_mask=mask)
         model(ids)
-    assert SHARED_MASK.builds == before + 2  # one per forward, not one per layer
-    assert SHARED_MASK.merged is None  # released when the forward ended
+    assert masks.builds == before + 2  # one per forward, not one per layer
+    assert masks.merged is None  # released when the forward ended
 
 
 def test_flex_backend_forward_matches_reference_on_cpu():

@@ -6,7 +6,7 @@ from reference import gpt2_reference_logits
 from tiny import random_ids, tiny_gpt2
 
 import hf_alibi
-from hf_alibi.patches.common import NoPositionEmbedding
+from hf_alibi.core.strategies import NoPositionEmbedding
 
 BACKENDS = ["eager", "sdpa"]
 

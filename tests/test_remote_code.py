@@ -2,55 +2,67 @@
 
 import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from sharing import TINY, TINY_BY_TYPE, example_inputs, last_json_line, output_tensor, run_child
+from sharing import TINY, example_inputs, last_json_line, output_tensor, run_child
+from tiny import VOCAB
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
+from hf_alibi.core import modeling_alibi
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
-from hf_alibi.remote import modeling_alibi
 
-ARCHITECTURES = sorted(TINY_BY_TYPE)
-
-
-def test_every_registered_architecture_has_remote_code_and_tests():
-    assert sorted(hf_alibi.supported_model_types()) == ARCHITECTURES
-    assert sorted(modeling_alibi.CONVERTERS) == ARCHITECTURES
-    for model_type in ARCHITECTURES:
-        # the same config fields are removed by hf_alibi and by the remote code
-        assert modeling_alibi.CONVERTERS[model_type][1] == hf_alibi.get_spec(model_type).removed_config_fields
+CORE = Path(hf_alibi.__file__).parent / "core"
+# What a checkpoint's code may import besides its sibling files: torch, transformers, the standard library.
+ALLOWED_IMPORTS = {"__future__", "collections", "contextlib", "copy", "dataclasses", "math", "os", "threading",
+                   "torch", "transformers", "typing"}  # fmt: skip
 
 
-def test_remote_code_imports_only_torch_and_transformers():
-    tree = ast.parse(REMOTE_CODE_FILE.read_text())
-    modules = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative imports would need more files in the checkpoint"
-            modules.add(node.module.split(".")[0])
-    assert modules == {"__future__", "copy", "math", "torch", "transformers"}
+def test_remote_code_is_the_library_core_byte_for_byte(tmp_path):
+    model = hf_alibi.patch_model(TINY[0].make())
+    model.save_pretrained(tmp_path)
+    written = sorted(path.name for path in tmp_path.glob("*.py"))
+    # every core module but the package's __init__ (the entry module imports them all)
+    assert written == sorted(path.name for path in CORE.glob("*.py") if path.name != "__init__.py")
+    for name in written:
+        assert (tmp_path / name).read_bytes() == (CORE / name).read_bytes(), name
+    assert REMOTE_CODE_FILE == CORE / "modeling_alibi.py"
+    assert len(REMOTE_CODE_FILE.read_text().splitlines()) <= 30  # the entry module is short
 
 
-def test_remote_slopes_and_bias_equal_hf_alibis():
-    for heads in (1, 4, 6, 8, 12, 16):
-        assert torch.equal(modeling_alibi.get_slopes(heads), hf_alibi.get_slopes(heads))
-    slopes = hf_alibi.get_slopes(6)
-    left, right = -torch.rand(6), -torch.rand(6)
-    for kind in ("causal", "symmetric", "nonsymmetric"):
-        for q_len, kv_len in ((7, 7), (1, 9), (3, 9)):
-            assert torch.equal(
-                modeling_alibi.alibi_bias(kind, q_len, kv_len, slopes),
-                hf_alibi.alibi_bias(kind, q_len, kv_len, slopes),
-            )
-    assert torch.equal(
-        modeling_alibi.alibi_bias("learned", 5, 5, left, right),
-        hf_alibi.alibi_bias("learned", 5, 5, left, slopes_right=right),
+def test_remote_code_imports_only_torch_transformers_the_stdlib_and_its_siblings():
+    siblings = {path.stem for path in CORE.glob("*.py")} - {"__init__"}
+    for path in CORE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert {alias.name.split(".")[0] for alias in node.names} <= ALLOWED_IMPORTS, (path.name, node.lineno)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                top = node.module.split(".")[0]
+                # flash_attn is imported inside a try block only (transformers' check_imports skips those)
+                assert top in ALLOWED_IMPORTS or (top == "flash_attn" and path.name == "flash.py"), (path.name, top)
+            elif isinstance(node, ast.ImportFrom):  # flat relative imports, as the dynamic-module loader follows
+                assert node.level == 1 and node.module in siblings, (path.name, node.module)
+
+
+def test_the_core_table_is_the_registry():
+    assert (
+        sorted(hf_alibi.ARCHITECTURES)
+        == hf_alibi.supported_model_types()
+        == sorted({case.model_type for case in TINY})
     )
+    for model_type, row in hf_alibi.ARCHITECTURES.items():
+        assert hf_alibi.get_architecture(model_type) == row
+
+
+def long_inputs(case, model) -> dict:
+    """Inputs 3x past the original maximum, long enough that causal layers take the folded path."""
+    ids = torch.randint(1, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
+    if model.config.is_encoder_decoder:
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :40]}
+    return {"input_ids": ids}
 
 
 def _variant_dir(variant) -> str:
@@ -73,6 +85,9 @@ def saved(request, tmp_path_factory):
         expected = {"inputs": inputs}
         with torch.no_grad():
             expected["sdpa"] = output_tensor(model(**inputs))
+            expected["long_inputs"] = long_inputs(case, model)
+            expected["long"] = output_tensor(model(**expected["long_inputs"]))
+            expected["paths"] = sorted({m.last_path for m in model.modules() if isinstance(m, hf_alibi.AlibiBias)})
             if model.can_generate():
                 prompt = {"input_ids": inputs["input_ids"][:1, :6]}
                 expected["generated"] = model.generate(**prompt, max_new_tokens=8, do_sample=False)
@@ -109,6 +124,13 @@ for variant in VARIANTS:
                    if getattr(out, n, None) is not None)
         report[name] = (out - expected[name]).abs().max().item()
     diff("sdpa")
+    with torch.no_grad():
+        out = model(**expected["long_inputs"])
+    out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+               if getattr(out, n, None) is not None)
+    report["long"] = (out - expected["long"]).abs().max().item()
+    report["paths"] = sorted({m.last_path for m in model.modules() if type(m).__name__ == "AlibiBias"})
+    report["expected_paths"] = expected["paths"]
     if "generated" in expected:
         prompt = {"input_ids": expected["inputs"]["input_ids"][:1, :6]}
         generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
@@ -141,6 +163,8 @@ def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, child_outpu
         assert report["class"] == "Alibi" + auto_classes_for(case.model_type)[auto_name]
         assert report["attn"] == "alibi_remote_sdpa" and report["attn_eager"] == "alibi_remote_eager"
         assert report["sdpa"] <= 1e-5, (variant, report)
+        assert report["long"] <= 1e-5, (variant, report)  # past the original maximum, on the folded path
+        assert report["paths"] == report["expected_paths"], (variant, report)  # the same attention path
         assert report["eager"] <= 1e-5, (variant, report)
         if "generated_equal" in report:
             assert report["generated_equal"], (variant, report)

@@ -5,7 +5,7 @@ from tiny import VOCAB, random_ids, tiny_gpt2
 from transformers import Trainer, TrainingArguments
 
 import hf_alibi
-from hf_alibi.patches.common import NoPositionEmbedding
+from hf_alibi.core.strategies import NoPositionEmbedding
 
 
 class FixedTokens(torch.utils.data.Dataset):

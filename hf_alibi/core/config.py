@@ -15,19 +15,44 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from .attention import alibi_name, base_name
+from .compat import (
+    auto_class_names,
+    drop_config_validators,
+    set_config_attn_implementation,
+    stored_attn_implementation,
+)
+from .dispatch import alibi_name, base_name
 from .slopes import ENCODER_VARIANTS
 from .version import __version__
 
 MODEL_TYPE_PREFIX = "alibi_"
 # Written in config.json in place of the sizes of the removed position path (GPT-2's n_positions,
-# T5's relative_attention_num_buckets, ...). The original config classes require an int there, so
-# plain transformers refuses the checkpoint with this text instead of silently building the
-# original architecture with freshly initialised position embeddings.
-REMOVED_FIELD_MARKER = (
-    "removed by hf_alibi: this is an ALiBi checkpoint. `pip install hf_alibi` and `import hf_alibi` "
-    "before loading it, or load it with trust_remote_code=True"
-)
+# T5's relative_attention_num_buckets, ...), followed by how to load the checkpoint. The original
+# config classes require an int there, so plain transformers refuses the checkpoint with this text
+# instead of silently building the original architecture with freshly initialised position embeddings.
+REMOVED_FIELD_MARKER = "removed by hf_alibi: this is an ALiBi checkpoint"
+# Auto classes named in the marker's advice, most specific first.
+_ADVISED_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
+
+
+def removed_field_marker(base_model_type: str, architecture: str | None = None) -> str:
+    """The marker text for a checkpoint of ``base_model_type``: what it is and which class loads it.
+
+    >>> removed_field_marker("gpt2", "AlibiGPT2LMHeadModel").startswith(REMOVED_FIELD_MARKER)
+    True
+    """
+    names = auto_class_names(base_model_type)
+    architecture = architecture if architecture and architecture.startswith("Alibi") else None
+    # the Auto class that maps to the saved class, else the most specific one the type has
+    auto = next((a for a, c in names.items() if architecture and "Alibi" + c == architecture), None)
+    auto = auto or next((name for name in _ADVISED_AUTO_CLASSES if name in names), "AutoModel")
+    direct = f" or hf_alibi.models.{architecture}" if architecture else ""
+    return (
+        f"{REMOVED_FIELD_MARKER} (model_type {MODEL_TYPE_PREFIX}{base_model_type}), which the original "
+        f"{base_model_type} classes cannot load. With hf_alibi: `import hf_alibi` (pip install hf_alibi), then "
+        f"load it with {auto}.from_pretrained{direct}, not the original class. Without hf_alibi: "
+        "load it with trust_remote_code=True"
+    )
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,13 @@ class AlibiSettings:
         metadata={
             "help": "Bias of bidirectional self-attention: 'symmetric', 'nonsymmetric' or 'learned'. "
             "None for decoder-only models, whose self-attention is causal."
+        },
+    )
+    architecture: dict | None = field(
+        default=None,
+        metadata={
+            "help": "The architecture row the model was converted with (architectures.Architecture as a dict), "
+            "so that the checkpoint rebuilds the same way wherever it is loaded."
         },
     )
     hf_alibi_version: str = field(default=__version__, metadata={"help": "hf_alibi version that converted it."})
@@ -88,28 +120,48 @@ class AlibiConfigMixin:
     """
 
     alibi: dict | None = None
-    # Fields of the base config that size the removed position path (set per class).
-    removed_fields: tuple[str, ...] = ()
+    # Fields of the base config that size the removed position path (set per class; None: found
+    # in config.json by the marker, for remote code that has no row of the architecture).
+    removed_fields: tuple[str, ...] | None = ()
 
     def __post_init__(self, **kwargs):
-        for name in self.removed_fields:
-            if isinstance(getattr(self, name, None), str):  # the marker read back from config.json
+        # config.json holds the marker string in the removed fields: None in memory. A class made
+        # without knowing its removed fields (remote code for a user's row) finds them by the marker.
+        names = self.removed_fields
+        if names is None:
+            names = tuple(
+                k for k, v in vars(self).items() if isinstance(v, str) and v.startswith(REMOVED_FIELD_MARKER)
+            )
+            self.__dict__["_alibi_removed_fields"] = names
+        for name in names:
+            if isinstance(getattr(self, name, None), str):
                 setattr(self, name, None)
         super().__post_init__(**kwargs)
 
+    def alibi_removed_fields(self) -> tuple[str, ...]:
+        """The base config's fields that sized the removed position path."""
+        if self.removed_fields is not None:
+            return self.removed_fields
+        return self.__dict__.get("_alibi_removed_fields", ())
+
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
-        for name in self.removed_fields:
-            output[name] = REMOVED_FIELD_MARKER
+        output.pop("_alibi_removed_fields", None)
+        names = self.alibi_removed_fields()
+        if names:
+            base_type = (self.alibi or {}).get("base_model_type", self.model_type.removeprefix(MODEL_TYPE_PREFIX))
+            marker = removed_field_marker(base_type, (getattr(self, "architectures", None) or [None])[0])
+            for name in names:
+                output[name] = marker
         return output
 
     @property
     def _attn_implementation(self):
-        return alibi_name(base_name(self._attn_implementation_internal))
+        return alibi_name(base_name(stored_attn_implementation(self)))
 
     @_attn_implementation.setter
     def _attn_implementation(self, value):
-        PretrainedConfig._attn_implementation.fset(self, value if isinstance(value, dict) else base_name(value))
+        set_config_attn_implementation(self, value if isinstance(value, dict) else base_name(value))
 
     @property
     def output_attentions(self):
@@ -117,7 +169,7 @@ class AlibiConfigMixin:
 
     @output_attentions.setter
     def output_attentions(self, value: bool):
-        backend = base_name(self._attn_implementation_internal)
+        backend = base_name(stored_attn_implementation(self))
         if value and backend is None:
             self._attn_implementation_internal = backend = "eager"
         if value and backend != "eager":
@@ -128,53 +180,60 @@ class AlibiConfigMixin:
         self._output_attentions = value
 
 
-_CONFIG_CLASSES: dict[type, type] = {}
+_CONFIG_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def alibi_config_class(
-    base_config_class: type[PretrainedConfig], base_model_type: str, removed_fields: tuple[str, ...] = ()
+    base_config_class: type[PretrainedConfig],
+    base_model_type: str,
+    removed_fields: tuple[str, ...] | None = (),
+    module: str = __name__,
 ) -> type[PretrainedConfig]:
-    """The ``Alibi<Base>Config`` subclass of ``base_config_class`` (made once, then cached).
+    """The ``Alibi<Base>Config`` subclass of ``base_config_class`` (made once per module, then cached).
 
     ``removed_fields`` are the base config's sizes of the removed position path: here they may be
     ``None`` (in memory) or the marker (in config.json), never silently an int the base reads.
+    ``None`` means unknown (remote code loading a user's row): the fields holding the marker are
+    found when the config is read, and the base class's strict type validators are all dropped.
+    ``module`` is the ``__module__`` the class reports (where it can be imported from).
     """
     if issubclass(base_config_class, AlibiConfigMixin):  # already one (e.g. T5's stack configs on reload)
         return base_config_class
-    cls = _CONFIG_CLASSES.get(base_config_class)
+    cls = _CONFIG_CLASSES.get((base_config_class, module))
     if cls is None:
         name = "Alibi" + base_config_class.__name__
-        annotations = {"alibi": dict | None, **{field_name: int | str | None for field_name in removed_fields}}
+        known = removed_fields or ()
+        annotations = {"alibi": dict | None, **{field_name: int | str | None for field_name in known}}
         namespace = {
             "model_type": alibi_model_type(base_model_type),
-            "__module__": "hf_alibi.models",
+            "__module__": module,
             "__qualname__": name,
             "__annotations__": annotations,
             "alibi": None,
-            "removed_fields": tuple(removed_fields),
-            **{field_name: None for field_name in removed_fields},
+            "removed_fields": None if removed_fields is None else tuple(removed_fields),
+            **{field_name: None for field_name in known},
             "__doc__": f"{base_config_class.__name__} with ALiBi settings (``alibi``), made by hf_alibi.",
         }
         cls = type(name, (AlibiConfigMixin, base_config_class), namespace)
         # The base class's strict validators demand an int in the removed fields: not here.
-        cls.__validators__ = {k: v for k, v in cls.__validators__.items() if k not in removed_fields}
-        _CONFIG_CLASSES[base_config_class] = cls
+        drop_config_validators(cls, None if removed_fields is None else known)
+        _CONFIG_CLASSES[(base_config_class, module)] = cls
     return cls
 
 
 def alibi_config_copy(
-    config: PretrainedConfig, base_model_type: str, removed_fields: tuple[str, ...], alibi: dict[str, Any]
+    config: PretrainedConfig, config_class: type[PretrainedConfig], alibi: dict[str, Any]
 ) -> PretrainedConfig:
-    """A deep copy of ``config`` as its ``Alibi<Config>`` class: ``alibi`` set, removed fields ``None``.
+    """A deep copy of ``config`` as ``config_class`` (its ``Alibi<Config>``): ``alibi`` set, removed fields ``None``.
 
     A copy, since another model built from the same config object must not change with this one.
     """
     new = copy.deepcopy(config)
-    new.__class__ = alibi_config_class(type(config), base_model_type, removed_fields)
+    new.__class__ = config_class
     if "model_type" in vars(new):  # a config read from config.json holds its model_type per instance
-        new.model_type = type(new).model_type
+        new.model_type = config_class.model_type
     new.alibi = dict(alibi)
-    for name in removed_fields:
+    for name in new.alibi_removed_fields():
         setattr(new, name, None)
     return new
 

@@ -1,0 +1,114 @@
+"""The per-layer ALiBi module (:class:`AlibiBias`) and the choice of how the sdpa backend applies it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .mask import MaskCache
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, alibi_bias, get_slopes
+
+# How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
+# into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
+# tensor and hands SDPA one float mask. "auto" takes "folded" wherever it is exact.
+AUTO, FOLDED, BIAS = "auto", "folded", "bias"
+PATHS = (AUTO, FOLDED, BIAS)
+
+
+class AlibiBias(nn.Module):
+    """Per-layer ALiBi state: which bias form, how many heads, and the learned slopes if any.
+
+    The fixed slopes are not buffers: they are recomputed in float32 per device, so that
+    ``model.half()`` can never round them and a state dict is the same with or without ALiBi.
+    Only the ``learned`` form owns parameters (``slopes_left`` / ``slopes_right``, before the
+    ``-sigmoid``), which are saved with the model's weights.
+
+    ``path`` picks how the sdpa backend applies the bias: ``"auto"`` (default; the environment
+    variable ``HF_ALIBI_PATH`` can override it), ``"folded"`` or ``"bias"``.
+    ``last_path`` records the path the latest call took ("folded", "bias", "flex" or "flash").
+    ``masks`` is the :class:`MaskCache` the layers of one model share (one per model, made by the
+    conversion; a layer built on its own gets its own).
+
+    >>> AlibiBias("causal", 4)
+    AlibiBias(kind='causal', num_heads=4, path='auto')
+    """
+
+    def __init__(self, kind: str, num_heads: int, path: str = AUTO, masks: MaskCache | None = None):
+        super().__init__()
+        if kind not in BIAS_KINDS:
+            raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
+        self.kind = kind
+        self.num_heads = num_heads
+        self.path = path
+        self.last_path: str | None = None
+        self.masks = MaskCache() if masks is None else masks
+        if kind == LEARNED:
+            self.slopes_left = nn.Parameter(torch.empty(num_heads))
+            self.slopes_right = nn.Parameter(torch.empty(num_heads))
+            self.reset_parameters()
+        self._slopes_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def reset_parameters(self) -> None:
+        """The seed's initialisation of the learned slopes: normal(-2, 1) before the -sigmoid."""
+        if self.kind == LEARNED:
+            with torch.no_grad():
+                self.slopes_left.normal_(-2.0, 1.0)
+                self.slopes_right.normal_(-2.0, 1.0)
+
+    def fixed_slopes(self, device: torch.device) -> torch.Tensor:
+        """The paper's slopes, float32 ``(H,)``, made once per device."""
+        slopes = self._slopes_by_device.get(device)
+        if slopes is None:
+            slopes = self._slopes_by_device[device] = get_slopes(self.num_heads, device=device)
+        return slopes
+
+    def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
+        """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``."""
+        if self.kind == LEARNED:
+            left, right = self.learned_slopes()
+            return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value)
+        if self.kind == CAUSAL and q_len == 1:  # a decoding step: every key is in the past
+            distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
+            return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
+        return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @path.setter
+    def path(self, value: str) -> None:
+        if value not in PATHS:
+            raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
+        self._path = value
+
+    def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned form's (left, right) slopes, fp32 and negative, with their gradients."""
+        return -torch.sigmoid(self.slopes_left.float()), -torch.sigmoid(self.slopes_right.float())
+
+    def check_heads(self, query: torch.Tensor) -> None:
+        if query.shape[1] != self.num_heads:
+            raise ValueError(f"ALiBi was set up for {self.num_heads} heads but this layer computes {query.shape[1]}.")
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}"
+
+
+def set_attention_path(model: nn.Module, path: str) -> nn.Module:
+    """Set how every ALiBi layer of ``model`` applies its bias on the sdpa backend.
+
+    ``"auto"`` (default) folds causal attention into SDPA's causal kernel where that is exact
+    and takes the bias tensor elsewhere; ``"folded"`` forces the fold (an error where it would be
+    wrong); ``"bias"`` always builds the bias tensor. ``HF_ALIBI_PATH`` sets the same for layers
+    left at ``"auto"``.
+
+    >>> hf_alibi.set_attention_path(model, "bias")  # doctest: +SKIP
+    """
+    if path not in PATHS:
+        raise ValueError(f"ALiBi path must be one of {PATHS}, got {path!r}.")
+    layers = [m for m in model.modules() if isinstance(m, AlibiBias)]
+    if not layers:
+        raise ValueError("This model has no ALiBi layers: convert it with hf_alibi.patch_model first.")
+    for layer in layers:
+        layer.path = path
+    return model

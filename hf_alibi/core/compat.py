@@ -1,0 +1,109 @@
+"""Every private transformers API hf_alibi uses, in one place, each with the versions it was checked on.
+
+A transformers release that moves one of these breaks only this file. Public APIs (the attention and
+mask interfaces' ``register``, ``PreTrainedModel``, the Auto classes) are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+# Checked on transformers 5.0 to 5.23: integrations/sdpa_attention.py's grouped-KV helper,
+# (B, H_kv, L, D) -> (B, H_kv * n_rep, L, D).
+from transformers.integrations.sdpa_attention import repeat_kv  # noqa: F401  (re-exported)
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.auto import modeling_auto
+
+# The Auto classes an ALiBi model can be loaded with, when transformers maps the base type there.
+AUTO_CLASSES = (
+    "AutoModel",
+    "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering",
+    "AutoModelForMultipleChoice",
+    "AutoModelForPreTraining",
+    "AutoModelForNextSentencePrediction",
+    "AutoModelForTextEncoding",
+)
+
+
+def auto_class_names(model_type: str) -> dict[str, str]:
+    """transformers' Auto class name -> model class name for one ``model_type``.
+
+    Reads ``_LazyAutoMapping._model_mapping`` (the static name table; checked on 5.0 to 5.23), which
+    lists classes by name without importing every model.
+
+    >>> auto_class_names("gpt2")["AutoModelForCausalLM"]
+    'GPT2LMHeadModel'
+    """
+    classes = {}
+    for auto_name in AUTO_CLASSES:
+        class_name = getattr(modeling_auto, auto_name)._model_mapping._model_mapping.get(model_type)
+        if isinstance(class_name, str):
+            classes[auto_name] = class_name
+    return classes
+
+
+def base_mask_function(backend: str):
+    """transformers' own mask function for ``backend`` (``AttentionMaskInterface._global_mapping``,
+    checked on 5.0 to 5.23), or ``None`` when it has none."""
+    return AttentionMaskInterface._global_mapping.get(backend)
+
+
+def set_config_attn_implementation(config: PretrainedConfig, value) -> None:
+    """``PretrainedConfig._attn_implementation``'s own setter (a property; checked on 5.0 to 5.23),
+    called from a subclass that overrides the property."""
+    PretrainedConfig._attn_implementation.fset(config, value)
+
+
+def stored_attn_implementation(config: PretrainedConfig) -> str | dict | None:
+    """What that setter stored (``_attn_implementation_internal``; checked on 5.0 to 5.23)."""
+    return config._attn_implementation_internal
+
+
+def drop_config_validators(config_class: type, names: tuple[str, ...] | None) -> None:
+    """Remove the strict dataclass validators of ``names`` (``None``: all) from ``config_class``
+    (huggingface_hub's ``strict`` configs keep them in ``__validators__``, read on every assignment;
+    checked on transformers 5.0 to 5.23), so a removed field may hold ``None`` or the marker string."""
+    validators = getattr(config_class, "__validators__", None)
+    if validators is not None:
+        config_class.__validators__ = {k: v for k, v in validators.items() if names is not None and k not in names}
+
+
+def flash_padding_helpers():
+    """``(_upad_input, _unpad_input, _pad_input)`` of ``modeling_flash_attention_utils`` (checked on
+    5.0 to 5.23): unpad a padded batch for ``flash_attn_varlen_func`` and pad its output back."""
+    from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input, _upad_input
+
+    return _upad_input, _unpad_input, _pad_input
+
+
+def compiled_flex_attention(training: bool):
+    """transformers' compiled FlexAttention (``integrations.flex_attention.WrappedFlexAttention``,
+    checked on 5.0 to 5.23): one compiled function per process."""
+    from transformers.integrations.flex_attention import WrappedFlexAttention
+
+    return WrappedFlexAttention(training)()
+
+
+def is_exporting() -> bool:
+    """True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3)."""
+    return torch.compiler.is_compiling()
+
+
+__all__ = [
+    "AUTO_CLASSES",
+    "auto_class_names",
+    "base_mask_function",
+    "compiled_flex_attention",
+    "drop_config_validators",
+    "flash_padding_helpers",
+    "is_exporting",
+    "repeat_kv",
+    "set_config_attn_implementation",
+    "stored_attn_implementation",
+]

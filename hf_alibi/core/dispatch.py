@@ -1,0 +1,172 @@
+"""``alibi_<backend>``: ALiBi attention registered with transformers' attention interface, and the path choice.
+
+A converted model's config reports ``config._attn_implementation == "alibi_<backend>"`` (see
+``config.py``), so transformers dispatches each attention layer to the function registered here
+under that name. The function finds the layer's :class:`AlibiBias` (``module.alibi``), chooses how
+to apply it (:func:`choose_path`) and calls the backend. A layer without an ``AlibiBias``
+(cross-attention) runs transformers' backend unchanged: no position bias, as in T5.
+
+Registering new names is all that happens: no transformers function is replaced. Loaded as
+hf_alibi's core the names are ``alibi_<backend>``; loaded from a checkpoint's remote code they are
+``alibi_remote_<backend>``, so a checkpoint's copy never replaces the installed library's functions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
+from .compat import base_mask_function, is_exporting
+from .eager import eager_attention_forward
+from .flash import flash_alibi_attention
+from .flex import flex_alibi_attention
+from .folded import folded_causal_attention, folded_unavailable
+from .mask import bias_mask
+from .slopes import CAUSAL
+
+LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
+PREFIX = LIBRARY_PREFIX if __name__.startswith("hf_alibi.") else REMOTE_PREFIX
+# Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
+# H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
+FOLD_MIN_QUERIES = 32
+# Forces a path for every AlibiBias whose own ``path`` is left at "auto" (e.g. HF_ALIBI_PATH=bias).
+PATH_ENV = "HF_ALIBI_PATH"
+
+
+def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict) -> str:
+    """The path this call takes: ``"folded"`` where it is exact and pays, else ``"bias"``.
+
+    "auto" folds causal fp32/fp64 sdpa attention of at least ``FOLD_MIN_QUERIES`` queries, with
+    or without a padding mask, at any cache offset; decoding steps and small chunks take the
+    bias path (an H x q x kv tensor, cheaper there than copying K and V). While ``torch.export`` or
+    ``torch.compile`` traces, the query count is not looked at (it would become a guard that rejects
+    other lengths): the fold is taken wherever it is exact.
+
+    ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
+    where it would be wrong raises instead of computing something else.
+    """
+    wanted = alibi.path
+    if wanted == AUTO:
+        wanted = os.environ.get(PATH_ENV, AUTO) or AUTO
+        if wanted not in PATHS:
+            raise ValueError(f"{PATH_ENV}={wanted!r}; expected one of {PATHS}.")
+    if wanted == BIAS:
+        return BIAS
+    if wanted == AUTO and not is_exporting() and query.shape[2] < FOLD_MIN_QUERIES:
+        return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
+    if backend != "sdpa":
+        reason = f"only the sdpa backend has it, not {backend!r}"
+    else:
+        reason = folded_unavailable(alibi, query, attention_mask, kwargs)
+    if reason is None:
+        return FOLDED
+    if wanted == FOLDED:
+        raise ValueError(
+            f"The folded ALiBi path was forced but cannot run here: {reason}. "
+            f"Set layer.alibi.path (or {PATH_ENV}) to 'auto' or 'bias'."
+        )
+    return BIAS
+
+
+def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
+    """Wrap a mask-taking backend (eager, sdpa) so that it applies the layer's ALiBi bias."""
+
+    def alibi_attention_forward(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs,
+    ):
+        alibi: AlibiBias | None = getattr(module, "alibi", None)
+        if alibi is None:  # cross-attention: no position bias
+            return backend(module, query, key, value, attention_mask, **kwargs)
+        alibi.check_heads(query)
+        path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
+        alibi.last_path = path
+        if path == FOLDED:
+            return folded_causal_attention(
+                module, query, key, value, attention_mask, alibi.fixed_slopes(query.device),
+                dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"),
+            )  # fmt: skip
+        q_len = query.shape[2]
+        if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:
+            # transformers' sdpa gives no mask here only when top-left alignment is right (prefill
+            # into an empty static cache) and then cuts the keys to the queries: do the same.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        mask = bias_mask(alibi, query, key.shape[2], attention_mask)
+        kwargs.pop("is_causal", None)  # causality is in the mask now
+        kwargs.pop("position_bias", None)
+        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
+
+    return alibi_attention_forward
+
+
+def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> Callable:
+    """A backend that applies the bias itself (flex, flash); layers without ALiBi run transformers' own."""
+
+    def attention_forward(module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "alibi", None) is None:  # cross-attention: no position bias
+            return ALL_ATTENTION_FUNCTIONS[plain_backend_name](module, query, key, value, attention_mask, **kwargs)
+        return alibi_backend(module, query, key, value, attention_mask, **kwargs)
+
+    return attention_forward
+
+
+def _unsupported_backend(name: str) -> Callable:
+    def forward(*args, **kwargs):
+        raise NotImplementedError(
+            f"hf_alibi has no ALiBi path for attn_implementation={name!r} yet. "
+            f"Use one of {sorted(BACKENDS) + sorted(NATIVE_BACKENDS)}: model.set_attn_implementation('sdpa')."
+        )
+
+    return forward
+
+
+# backend name -> attention function that receives the merged float mask (bias + padding + causality)
+BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward}
+# backends that apply the bias themselves, from the slopes (no bias tensor)
+NATIVE_BACKENDS: dict[str, Callable] = {
+    "flex_attention": flex_alibi_attention,
+    "flash_attention_2": flash_alibi_attention,
+}
+# transformers' names that hf_alibi knows of but cannot run with ALiBi yet: a clear error
+# instead of transformers' "not a valid attention implementation".
+UNSUPPORTED_BACKENDS = ("flash_attention_3", "flash_attention_4")
+
+
+def alibi_name(backend: str | None) -> str | None:
+    """``"sdpa"`` -> ``"alibi_sdpa"`` (this copy's prefix); already prefixed names and ``None`` pass through."""
+    if backend is None or backend.startswith(LIBRARY_PREFIX):
+        return backend
+    return PREFIX + backend
+
+
+def base_name(name: str | None) -> str | None:
+    """``"alibi_sdpa"`` or ``"alibi_remote_sdpa"`` -> ``"sdpa"``."""
+    if name is None:
+        return None
+    return name.removeprefix(REMOTE_PREFIX).removeprefix(LIBRARY_PREFIX)
+
+
+def register_backends() -> None:
+    """Add ``alibi_<backend>`` to transformers' attention and mask interfaces (idempotent)."""
+    for name, attention in BACKENDS.items():
+        AttentionInterface.register(alibi_name(name), make_alibi_attention(name, attention))
+        AttentionMaskInterface.register(alibi_name(name), base_mask_function(name))
+    for name, attention in NATIVE_BACKENDS.items():
+        AttentionInterface.register(alibi_name(name), make_native_attention(attention, name))
+    for name in UNSUPPORTED_BACKENDS:
+        AttentionInterface.register(alibi_name(name), _unsupported_backend(name))
+    for name in (*NATIVE_BACKENDS, *UNSUPPORTED_BACKENDS):
+        mask = base_mask_function(name)
+        if mask is not None:
+            AttentionMaskInterface.register(alibi_name(name), mask)

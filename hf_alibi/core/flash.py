@@ -1,0 +1,68 @@
+"""flash-attn: its own ALiBi (fp32 ``alibi_slopes``), causal and symmetric."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compat import flash_padding_helpers
+from .slopes import CAUSAL, SYMMETRIC
+
+
+def flash_alibi_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """ALiBi with flash-attn >= 2.4's ``alibi_slopes`` (bias ``-m |i + Lk - Lq - j|``, fp16/bf16, CUDA).
+
+    ``attention_mask`` is transformers' 2D padding mask for flash attention (or ``None``); padded
+    batches go through ``flash_attn_varlen_func``. Only the causal and symmetric forms exist there.
+    ``sliding_window`` becomes flash-attn's ``window_size`` and ``softcap`` its ``softcap`` (applied
+    before the bias, as on the other paths).
+    """
+    alibi = module.alibi
+    alibi.check_heads(query)
+    if alibi.kind not in (CAUSAL, SYMMETRIC):
+        raise NotImplementedError(
+            f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
+            "use model.set_attn_implementation('sdpa')."
+        )
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as error:
+        raise ImportError(
+            "attn_implementation='flash_attention_2' with ALiBi needs flash-attn >= 2.4 (pip install flash-attn) "
+            "and a CUDA GPU; otherwise use model.set_attn_implementation('sdpa')."
+        ) from error
+    if query.device.type != "cuda":
+        raise RuntimeError("flash-attn runs on CUDA only: use model.set_attn_implementation('sdpa') on this device.")
+    upad_input, unpad_input, pad_input = flash_padding_helpers()
+
+    if not module.training:
+        dropout = 0.0
+    causal = alibi.kind == CAUSAL
+    slopes = alibi.fixed_slopes(query.device)  # fp32, as flash-attn requires
+    half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    q, k, v = (t.transpose(1, 2).to(half) for t in (query, key, value))  # (B, L, H, D)
+    batch, q_len = q.shape[:2]
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, alibi_slopes=slopes)
+    if sliding_window is not None:
+        options["window_size"] = (sliding_window - 1, sliding_window - 1)  # as transformers' flash path
+    if softcap is not None:
+        options["softcap"] = softcap
+    if attention_mask is None:
+        output = flash_attn_func(q, k, v, **options)
+    else:
+        q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = upad_input(q, k, v, attention_mask, q_len, unpad_input)
+        output = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        output = pad_input(output, indices, batch, q_len)
+    alibi.last_path = "flash"
+    return output.to(query.dtype), None

@@ -1,0 +1,96 @@
+"""FlexAttention: the bias as a ``score_mod`` computed from the slopes, no bias tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .compat import compiled_flex_attention, repeat_kv
+from .slopes import CAUSAL, LEARNED, NONSYMMETRIC
+
+
+def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softcap: float | None = None) -> Callable:
+    """FlexAttention ``score_mod`` adding the layer's bias; queries are the last ``q_len`` positions.
+
+    Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
+    mask transformers made (a ``BlockMask``) handles padding. ``softcap`` caps the score before the
+    bias is added, as the eager path does (see ``eager.eager_attention_forward``).
+    """
+    offset = kv_len - q_len
+    kind = alibi.kind
+
+    def capped(score):
+        return score if softcap is None else torch.tanh(score / softcap) * softcap
+
+    if kind == LEARNED:
+        left, right = alibi.learned_slopes()
+        left, right = left.to(device), right.to(device)
+
+        def learned_mod(score, b, h, q_idx, kv_idx):
+            distance = (q_idx + offset - kv_idx).to(torch.float32)
+            return capped(score) + torch.where(distance >= 0, left[h] * distance, -right[h] * distance)
+
+        return learned_mod
+    slopes = alibi.fixed_slopes(device)
+    half = alibi.num_heads // 2
+
+    def fixed_mod(score, b, h, q_idx, kv_idx):
+        distance = (q_idx + offset - kv_idx).to(torch.float32)
+        biased = capped(score) - slopes[h] * distance.abs()
+        if kind == CAUSAL:
+            biased = torch.where(distance >= 0, biased, -float("inf"))
+        elif kind == NONSYMMETRIC:
+            allowed = torch.where(h < half, distance >= 0, distance <= 0)
+            biased = torch.where(allowed, biased, -float("inf"))
+        return biased
+
+    return fixed_mod
+
+
+def flex_alibi_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """ALiBi with FlexAttention: transformers' ``BlockMask`` for padding, the bias as a ``score_mod``.
+
+    On CPU, FlexAttention (torch 2.13) runs forward only: training there raises. Shapes as SDPA.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    alibi = module.alibi
+    if dropout > 0:
+        raise ValueError("flex_attention has no attention dropout: set the model's attention dropout to 0.")
+    alibi.check_heads(query)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *alibi.parameters()))
+    if query.device.type == "cpu" and needs_grad:
+        raise NotImplementedError(
+            "FlexAttention has no backward pass on CPU (torch 2.13): train with "
+            "model.set_attn_implementation('sdpa') there, or run this under torch.no_grad()."
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
+    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap)
+    if isinstance(attention_mask, torch.Tensor):  # a 4D mask (bool or additive) instead of a BlockMask
+        extra = attention_mask[:, :, :, :kv_len]
+        extra = torch.where(extra, 0.0, -float("inf")) if extra.dtype == torch.bool else extra.float()
+        inner = score_mod
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return inner(score, b, h, q_idx, kv_idx) + extra[b, 0, q_idx, kv_idx]
+
+    if key.shape[1] != query.shape[1]:
+        key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // key.shape[1])
+    # on CPU the eager implementation: torch.compile there needs a C++ toolchain
+    run = flex_attention if query.device.type == "cpu" else compiled_flex_attention(module.training)
+    alibi.last_path = "flex"
+    output = run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None

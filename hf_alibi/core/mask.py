@@ -1,0 +1,88 @@
+"""The bias path: the ALiBi bias merged with transformers' mask into one float mask, shared per forward."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .slopes import LEARNED
+
+
+def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One additive float mask in ``dtype`` from the fp32 bias and transformers' mask.
+
+    ``attention_mask`` is what transformers' mask interface made: ``None``, a boolean mask
+    (True = attend) or an additive float mask whose masked entries are ``finfo(dtype).min``.
+    Masked entries come out as exactly ``finfo(dtype).min``: the sum is clamped, so a positive
+    bias can never bring a masked key back, and a fully masked row stays finite.
+    """
+    masked_value = torch.finfo(dtype).min
+    if attention_mask is None:
+        merged = bias
+    elif attention_mask.dtype == torch.bool:
+        merged = torch.where(attention_mask, bias, masked_value)
+    else:
+        merged = (bias + attention_mask.float()).clamp_min(masked_value)
+    return merged.to(dtype)
+
+
+class MaskCache:
+    """The merged mask of the fixed-slope forms, built once per forward and reused by every layer.
+
+    One per converted model (every ``AlibiBias`` of the model holds the same one). Every layer has
+    the same heads and fixed slopes, and transformers hands all of its layers the same mask object,
+    so the merged mask (bias + padding + causality) only depends on (kind, heads, q_len, kv_len,
+    device, dtype) and on that mask object. One entry per thread is kept, the latest, so two threads
+    running the same model never see each other's mask; :meth:`release` (a forward hook of the
+    converted model) drops the calling thread's entry when the forward ends. The learned form is
+    never shared: its slopes differ per layer and carry gradients.
+
+    Copies (``copy.deepcopy``, pickling) start empty.
+    """
+
+    def __init__(self):
+        # thread id -> (key, transformers' mask it was made from, merged mask): one tuple, replaced whole
+        self._entries: dict[int, tuple] = {}
+        self.builds = 0  # how many masks were built (tests count them)
+
+    def __deepcopy__(self, memo) -> MaskCache:
+        return MaskCache()  # deepcopy's memo keeps one new cache per copied model
+
+    def __getstate__(self) -> dict:
+        return {"builds": 0}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    @property
+    def merged(self) -> torch.Tensor | None:
+        """The calling thread's current merged mask, if any."""
+        entry = self._entries.get(threading.get_ident())
+        return None if entry is None else entry[2]
+
+    def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        dtype, device, q_len = query.dtype, query.device, query.shape[2]
+        # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
+        key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
+        thread = threading.get_ident()
+        entry = self._entries.get(thread)
+        if entry is not None and entry[0] == key and entry[1] is attention_mask:
+            return entry[2]
+        bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32
+        merged = merge_bias_and_mask(bias, attention_mask, dtype)
+        self.builds += 1
+        self._entries[thread] = (key, attention_mask, merged)
+        return merged
+
+    def release(self, *_args, **_kwargs) -> None:
+        """Drop the calling thread's mask (a forward hook: the forward it was made for has ended)."""
+        self._entries.pop(threading.get_ident(), None)
+
+
+def bias_mask(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bias + transformers' mask as one additive float mask in the query's dtype, ``(1 or B, H, q, kv)``."""
+    if alibi.kind == LEARNED:
+        bias = alibi(query.shape[2], kv_len, query.device, torch.finfo(query.dtype).min)
+        return merge_bias_and_mask(bias, attention_mask, query.dtype)
+    return alibi.masks.get(alibi, query, kv_len, attention_mask)

@@ -1,0 +1,146 @@
+"""Converting a model in place (:func:`convert`) and the ``Alibi<Class>`` classes that rebuild checkpoints."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import transformers
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .architectures import Architecture, check_strategy, get_architecture
+from .bias import AlibiBias
+from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
+from .mask import MaskCache
+from .slopes import CAUSAL
+from .strategies import STRATEGIES, find_modules
+
+
+def row_for(settings: AlibiSettings) -> Architecture:
+    """The row a converted model is built with: the one saved in its settings, else the built-in one."""
+    if settings.architecture is not None:
+        return Architecture.from_dict(settings.architecture)
+    row = get_architecture(settings.base_model_type)
+    if row is None:
+        raise ValueError(
+            f"This ALiBi checkpoint of {settings.base_model_type!r} records no architecture row, and this hf_alibi "
+            "has none built in: import the code that registered it (hf_alibi.register_architecture) first."
+        )
+    return row
+
+
+def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) -> None:
+    """The conversion proper, on a model whose config is already ALiBi: the row's strategy removes the
+    position path, every self-attention module at the row's ``attention`` paths gets an ``AlibiBias``
+    (causal, or the encoder variant where the row is bidirectional and the module is not causal),
+    position ids are dropped, and the layers share one mask cache for the length of a forward."""
+    check_strategy(row)
+    base = model.base_model
+    STRATEGIES[row.strategy](base, row.position)
+    masks = MaskCache()
+    for path in row.attention:
+        for _, _, attention in find_modules(base, path):
+            causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
+            attention.alibi = AlibiBias(CAUSAL if causal else settings.encoder_variant, settings.heads, masks=masks)
+    _alibi_sub_configs(model)
+    base.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+    base.register_forward_hook(masks.release)  # the shared mask lives for one forward only
+
+
+def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, alibi_class: type) -> None:
+    """Convert ``model`` in place (validated by the caller): its config becomes an ALiBi copy, its
+    class ``alibi_class``, then :func:`apply`."""
+    config = model.config
+    new_config = alibi_config_copy(config, alibi_class.config_class, settings.to_dict())
+    rebind_config(model, config, new_config)
+    model.__class__ = alibi_class
+    apply(model, settings, row)
+
+
+def _alibi_sub_configs(model: PreTrainedModel) -> None:
+    # Submodules may hold copies of the model's config (T5's stacks, with is_decoder set); transformers
+    # reads the attention implementation from those, so each gets an ALiBi copy of its own.
+    config = model.config
+    base_class = next(c for c in type(config).__mro__[1:] if not issubclass(c, AlibiConfigMixin))
+    copies: dict[int, PretrainedConfig] = {}
+    for module in model.modules():
+        old = getattr(module, "config", None)
+        if old is None or old is config or not isinstance(old, base_class):
+            continue
+        if id(old) not in copies:
+            copies[id(old)] = alibi_config_copy(old, type(config), config.alibi)
+        module.config = copies[id(old)]
+
+
+def _drop_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # ALiBi has no position index: position ids would only reach transformers' packed-sequence
+    # detection and change the mask, so they are dropped before the base model sees them.
+    if kwargs.get("position_ids") is not None:
+        kwargs["position_ids"] = None
+    return args, kwargs
+
+
+@contextmanager
+def _placeholder_sizes(config, names: tuple[str, ...], size: int):
+    saved = {name: getattr(config, name) for name in names}
+    for name in names:
+        setattr(config, name, size)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+_MODEL_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module: str, bases: tuple = ()) -> type:
+    """``Alibi<Class>``: ``base_cls`` built from an ALiBi config, then converted (made once per module).
+
+    Its ``__init__`` builds the original model (the removed config fields hold a placeholder size,
+    since the original still builds the path it then loses) and applies the saved row, so
+    ``from_pretrained`` loads the weights into the converted model. ``bases`` go before ``base_cls``
+    (hf_alibi adds the mixin that writes remote code on save).
+    """
+    cls = _MODEL_CLASSES.get((base_cls, module))
+    if cls is not None:
+        return cls
+
+    def __init__(self, config, *args, **kwargs):
+        settings = get_settings(config)
+        row = row_for(settings)
+        with _placeholder_sizes(config, config.alibi_removed_fields(), row.placeholder_size(config)):
+            base_cls.__init__(self, config, *args, **kwargs)
+        apply(self, settings, row)
+
+    name = "Alibi" + base_cls.__name__
+    cls = type(
+        name,
+        (*bases, base_cls),
+        {
+            "__init__": __init__,
+            "config_class": config_cls,
+            "__module__": module,
+            "__qualname__": name,
+            "__doc__": f"{base_cls.__name__} with ALiBi instead of position embeddings (made by hf_alibi).",
+        },
+    )
+    _MODEL_CLASSES[(base_cls, module)] = cls
+    return cls
+
+
+def class_by_name(name: str, module: str) -> type:
+    """``AlibiGPT2LMHeadModel``, ``AlibiGPT2Config``, ...: made from transformers' class of that name.
+
+    What the entry module of a checkpoint answers for the names ``auto_map`` gives. A config class of a
+    type without a built-in row finds its removed fields in config.json (see ``alibi_config_class``).
+    """
+    base = getattr(transformers, name.removeprefix("Alibi"), None) if name.startswith("Alibi") else None
+    if not isinstance(base, type) or not issubclass(base, (PretrainedConfig, PreTrainedModel)):
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    config_base = base if issubclass(base, PretrainedConfig) else base.config_class
+    row = get_architecture(config_base.model_type)
+    removed = row.removed_config_fields if row is not None else None
+    config_cls = alibi_config_class(config_base, config_base.model_type, removed, module)
+    return config_cls if base is config_base else alibi_model_class(base, config_cls, module)

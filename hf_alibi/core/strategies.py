@@ -1,0 +1,140 @@
+"""The few ways a position path is removed: an absolute table, a rotary embedding, T5's relative bias.
+
+Each strategy is ``strategy(base_model, paths)``: ``paths`` are the row's ``position`` entries,
+resolved from the base model by :func:`find_modules`. A strategy must not depend on weight values: it
+also runs on freshly built models (``from_pretrained`` loads the weights afterwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def find_modules(root: nn.Module, path: str) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, attribute name, module)`` for every module at ``path`` under ``root``.
+
+    ``path`` is dotted; ``*`` stands for every child (every layer of a ``ModuleList``); a trailing
+    ``?`` means the path may be missing (T5's encoder-only model has no decoder). A required path that
+    matches nothing raises, so a row that no longer fits transformers' layout is never a silent no-op.
+
+    >>> find_modules(model.base_model, "h.*.attn")  # doctest: +SKIP
+    """
+    optional = path.endswith("?")
+    parts = path.removesuffix("?").split(".")
+    found: list[tuple[nn.Module, str, nn.Module]] = [(None, "", root)]
+    for part in parts:
+        step = []
+        for _, _, module in found:
+            if part == "*":
+                step += [(module, name, child) for name, child in module.named_children()]
+            elif isinstance(getattr(module, part, None), nn.Module):
+                step.append((module, part, getattr(module, part)))
+        found = step
+    if not found and not optional:
+        raise ValueError(
+            f"{type(root).__name__} has no module at {path!r}: the hf_alibi architecture row does not fit "
+            "this model (a transformers version with another layout?)."
+        )
+    return found
+
+
+class NoPositionEmbedding(nn.Module):
+    """Stands where a learned absolute position table was: adds nothing, whatever the positions.
+
+    It has no weights and no size, so inputs of any length run, and it returns a 0-dim zero so
+    that ``embeds + self.wpe(position_ids)`` keeps the embeddings' dtype and shape. It accepts any
+    arguments (OPT's table takes the attention mask and the cache length).
+    """
+
+    def forward(self, position_ids: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
+        device = position_ids.device if isinstance(position_ids, torch.Tensor) else None
+        return torch.zeros((), device=device)
+
+
+class IdentityRotary(nn.Module):
+    """Stands where a rotary embedding was: answers ``cos = 1, sin = 0`` at the original width.
+
+    Llama-style code rotates with ``q * cos + rotate_half(q) * sin`` over the width ``cos`` has, and
+    partial-rotary code (Phi-3, StableLM, GPT-NeoX) rotates the first ``cos.shape[-1]`` dimensions:
+    with ones and zeros of the width the original module returns, every variant leaves q and k
+    exactly as they were. The width is asked of the original module once per call signature (one
+    position), so nothing here is sized by ``max_position_embeddings``; the answer is a broadcast
+    view, no (B, L, width) tensor is filled. The original is kept as ``original`` (its buffers are
+    not persistent: the state dict does not change).
+    """
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.original = original
+        self._probes: dict = {}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        try:
+            key = (x.dtype, x.device, args, tuple(sorted(kwargs.items())))
+            probe = self._probes.get(key)
+        except TypeError:  # an unhashable extra argument: ask every time
+            key, probe = None, None
+        if probe is None:
+            with torch.no_grad():
+                cos, sin = self.original(x, position_ids[..., :1], *args, **kwargs)
+            probe = (cos.new_ones(()), sin.new_zeros(()), cos.shape[-1])
+            if key is not None:
+                self._probes[key] = probe
+        one, zero, width = probe
+        shape = (*position_ids.shape, width)  # (B, L, width)
+        return one.expand(shape), zero.expand(shape)
+
+
+def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
+    """A learned table added to the token embeddings (GPT-2's ``wpe``, BERT's, OPT's): a zero instead.
+
+    Where the table's owner also makes default token types from a buffer sized by the maximum length
+    (BERT, RoBERTa), they are made per input instead, so any length runs without ``token_type_ids``.
+    """
+    for path in paths:
+        for parent, name, _ in find_modules(base, path):
+            setattr(parent, name, NoPositionEmbedding())
+            if isinstance(getattr(parent, "token_type_ids", None), torch.Tensor):
+                parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
+
+
+def rotary(base: nn.Module, paths: tuple[str, ...]) -> None:
+    """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead."""
+    for path in paths:
+        for parent, name, module in find_modules(base, path):
+            if not isinstance(module, IdentityRotary):
+                setattr(parent, name, IdentityRotary(module))
+
+
+def relative(base: nn.Module, paths: tuple[str, ...]) -> None:
+    """T5's learned relative bias, computed by the attention modules at ``paths`` (each stack's first
+    block): the table goes. T5's code then makes its ``position_bias`` zeros, and hf_alibi's attention
+    drops it in self-attention layers, so ALiBi is the only position signal."""
+    for path in paths:
+        for _, _, attention in find_modules(base, path):
+            if getattr(attention, "has_relative_attention_bias", False):
+                del attention.relative_attention_bias
+                attention.has_relative_attention_bias = False
+
+
+def _default_token_types(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # The original default gathers from a buffer of length max_position_embeddings; all zeros, of
+    # the input's shape, is the same value without the length limit.
+    if kwargs.get("token_type_ids") is None:
+        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        shape, device = (
+            (input_ids.shape, input_ids.device) if input_ids is not None else (embeds.shape[:-1], embeds.device)
+        )
+        kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
+    return args, kwargs
+
+
+# name -> strategy; a row names one. hf_alibi.register_strategy adds custom ones (not saved with checkpoints).
+STRATEGIES: dict[str, Callable[[nn.Module, tuple[str, ...]], None]] = {
+    "absolute": absolute,
+    "rotary": rotary,
+    "relative": relative,
+}
