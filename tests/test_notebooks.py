@@ -1,60 +1,49 @@
-"""Every walkthrough notebook runs top to bottom (small size), and the committed ones are executed.
+"""Every walkthrough notebook runs top to bottom (small size), and the committed ones are its executed source.
 
-The notebooks assert their own numbers (bias matrices against the formula, reloads and remote-code
-loads against hf_alibi's logits, ...), so a run that completes is a run whose checks held.
+Each notebook's source is a percent-format script, ``notebooks/NN_name.py`` (jupytext; linted by ruff with
+the rest of the tree); ``notebooks/NN_name.ipynb`` is that source executed, with its outputs. The notebooks
+assert their own numbers (bias matrices against the formula, reloads and remote-code loads against
+hf_alibi's logits, ...), so a run that completes is a run whose checks held.
 """
 
-import importlib
-import sys
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-import hf_alibi
-
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-sys.path.insert(0, str(NOTEBOOKS))
-build = importlib.import_module("build")
-NAMES = sorted(build.NOTEBOOKS)
+SOURCES = sorted(path.name for path in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
-def missing_requirements(name: str) -> list[str]:
-    """Architectures / modules a notebook needs that this checkout does not have yet."""
-    needs = build.REQUIRES.get(name, {})
-    missing = [t for t in needs.get("model_types", ()) if t not in hf_alibi.supported_model_types()]
-    for module in needs.get("modules", ()):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(module)
-    return missing
+def cells(notebook) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source) for cell in notebook.cells]
 
 
-def test_every_notebook_file_is_built_by_build_py():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == NAMES
+def test_every_notebook_has_its_source_and_the_reverse():
+    assert len(SOURCES) >= 4
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(Path(name).stem for name in SOURCES)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_committed_notebook_is_executed_and_matches_its_source(name):
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    sources = [cell.source for cell in notebook.cells]
-    assert sources == [cell.source for cell in build.NOTEBOOKS[name]], "edit notebooks/build.py, then rebuild"
+@pytest.mark.parametrize("source", SOURCES)
+def test_committed_notebook_is_its_source_executed(source):
+    notebook = nbformat.read(NOTEBOOKS / source.replace(".py", ".ipynb"), as_version=4)
+    expected = jupytext.read(NOTEBOOKS / source)
+    assert cells(notebook) == cells(expected), (
+        f"notebooks/{source} changed: rebuild with `python notebooks/execute.py {source[:-3]}`"
+    )
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert all(cell.execution_count for cell in code_cells), "commit the notebook executed (build.py --execute)"
+    assert all(cell.execution_count for cell in code_cells), "run python notebooks/execute.py"
     assert not [o for cell in code_cells for o in cell.outputs if o.output_type == "error"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs(name, tmp_path, monkeypatch):
-    missing = missing_requirements(name)
-    if missing:
-        pytest.skip(f"{name} needs {missing}, not in this checkout yet")
+@pytest.mark.parametrize("source", SOURCES)
+def test_notebook_runs(source, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ALIBI_NOTEBOOK_SIZE", "ci")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    notebook = jupytext.read(NOTEBOOKS / source)
     resources = {"metadata": {"path": str(tmp_path)}}
     client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources=resources)
     client.execute()  # raises CellExecutionError, with the cell and its traceback, if any cell fails

@@ -38,6 +38,11 @@ def test_config_json_records_the_settings(saved):
     assert config["architectures"] == ["AlibiGPT2LMHeadModel"]
     assert config["alibi"] == {
         "base_model_type": "gpt2", "encoder_variant": None, "heads": 4, "hf_alibi_version": hf_alibi.__version__,
+        "architecture": {  # the row, so that the checkpoint rebuilds the same way wherever it is loaded
+            "model_type": "gpt2", "strategy": "absolute", "position": ["wpe"], "attention": ["h.*.attn"],
+            "removed_config_fields": ["n_positions"], "bidirectional": False, "placeholder": 1,
+            "extra_classes": ["GPT2DoubleHeadsModel"],
+        },
     }  # fmt: skip
     assert config["n_positions"].startswith(REMOVED_FIELD_MARKER)
     assert "AutoModelForCausalLM.from_pretrained or hf_alibi.models.AlibiGPT2LMHeadModel" in config["n_positions"]

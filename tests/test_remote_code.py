@@ -206,3 +206,40 @@ def test_saved_config_points_auto_map_at_the_remote_code(saved):
     for name, class_name in auto_classes_for(model_type).items():
         assert auto_map[name] == f"modeling_alibi.Alibi{class_name}"
         assert getattr(modeling_alibi, "Alibi" + class_name).__name__ == "Alibi" + class_name
+
+
+USER_ROW = """
+import json, torch, transformers, hf_alibi
+assert "helium" not in hf_alibi.supported_model_types()  # a row of the user's, not a built-in one
+hf_alibi.register_architecture(hf_alibi.Architecture("helium", "rotary"))
+torch.manual_seed(0)
+config = transformers.HeliumConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+model = hf_alibi.patch_model(transformers.HeliumForCausalLM(config).eval())
+ids = torch.randint(1, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    torch.save({"ids": ids, "logits": model(ids).logits}, "expected.pt")
+model.save_pretrained(".")
+print(json.dumps({"auto_map": json.load(open("config.json"))["auto_map"]["AutoModelForCausalLM"]}))
+"""
+LOAD_USER_ROW = """
+import json, sys, torch, transformers
+expected = torch.load("expected.pt")
+model = transformers.AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True).eval()
+with torch.no_grad():
+    diff = (model(expected["ids"]).logits - expected["logits"]).abs().max().item()
+paths = sorted({m.last_path for m in model.modules() if type(m).__name__ == "AlibiBias"})
+print(json.dumps({"diff": diff, "class": type(model).__name__, "paths": paths, "hf_alibi": "hf_alibi" in sys.modules}))
+"""
+
+
+def test_a_users_row_saves_a_checkpoint_that_loads_without_hf_alibi(tmp_path):
+    made = run_child(USER_ROW, tmp_path, tmp_path / "hf", block_hf_alibi=False)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert last_json_line(made.stdout)["auto_map"] == "modeling_alibi.AlibiHeliumForCausalLM"
+    loaded = run_child(LOAD_USER_ROW, tmp_path, tmp_path / "hf", block_hf_alibi=True)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    report = last_json_line(loaded.stdout)
+    assert report["hf_alibi"] is False and report["class"] == "AlibiHeliumForCausalLM"
+    assert report["diff"] <= 1e-5 and report["paths"] == ["folded"], report
