@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from arch_cases import MAX_LEN, VARIANT_IDS, VARIANT_PARAMS
+from arch_cases import FULL_VARIANT_IDS as VARIANT_IDS  # the reduced cases skip persistence
+from arch_cases import FULL_VARIANT_PARAMS as VARIANT_PARAMS
+from arch_cases import MAX_LEN
 from safetensors import safe_open
 from test_persistence import run_python
 
