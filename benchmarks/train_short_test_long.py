@@ -3,8 +3,9 @@
 
 Mode ``extrapolation`` (default): on the same data, token batches and seed, trains
   (a) ALiBi GPT-2, (b) unpatched GPT-2 (learned positions, n_positions = L), (c) unpatched GPT-NeoX
-  (rotary), all at length L, then evaluates each at L, 2L, 4L, 8L on the embedded corpus's validation
-  split, both protocols, and prints ppl(kL) / ppl(L) side by side.
+  (rotary), (d) ALiBi Llama and (e) unpatched Llama (rotary; the same Llama built from the same seed,
+  converted or not), all at length L, then evaluates each at L, 2L, 4L, 8L on the embedded corpus's
+  validation split, both protocols, and prints ppl(kL) / ppl(L) side by side. ``--arms`` picks a subset.
 Mode ``train-short``: ALiBi trained at L/4 (``train_sequence_length_scaling = 0.25``: the same
   batches of L-token blocks, reshaped) against unpatched GPT-2 trained at L. Both are evaluated at L
   every ``--eval_every`` steps; prints the training wall-clock (evaluation excluded) and the peak memory
@@ -28,12 +29,14 @@ import time
 from itertools import chain
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.evaluation import evaluate_lengths, evaluate_perplexity
 from hf_alibi.training import scale_sequence_length
+
+EXTRAPOLATION_ARMS = ("alibi_gpt2", "gpt2", "gpt_neox", "alibi_llama", "llama")
 
 
 def load_tokens(args):
@@ -67,6 +70,15 @@ def build(arch: str, args, vocab: int, length: int):
             rotary_pct=args.rotary_pct, **common,
         )  # fmt: skip
         model = GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa")
+    elif arch in ("alibi_llama", "llama"):
+        config = LlamaConfig(
+            hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.heads, intermediate_size=4 * args.width, max_position_embeddings=length,
+            tie_word_embeddings=True, **common,
+        )  # fmt: skip
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        if arch == "alibi_llama":
+            hf_alibi.patch_model(model)
     else:
         raise ValueError(arch)
     return model
@@ -190,7 +202,7 @@ def run(arch, args, scaling=1.0):
 
 
 def extrapolation(args):
-    arms = ["alibi_gpt2", "gpt2", "gpt_neox"]
+    arms = args.arms
     results = {arch: run(arch, args) for arch in arms}
     lengths = [args.length * k for k in (1, 2, 4, 8)]
     for protocol in ("nonoverlapping", "sliding"):
@@ -257,6 +269,9 @@ def main():
     parser.add_argument("--probe_tokens", type=int, default=8192, help="train-short: tokens of the ppl-at-L probe")
     parser.add_argument(
         "--eval_every", type=int, default=0, help="train-short: probe every N steps (default steps/10)"
+    )
+    parser.add_argument(
+        "--arms", nargs="+", choices=EXTRAPOLATION_ARMS, default=list(EXTRAPOLATION_ARMS), help="extrapolation: arms"
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

@@ -239,6 +239,17 @@ def _register_reference_attention() -> None:
 _register_reference_attention()
 
 
+def opt_reference_logits(make_original, model, input_ids, attention_mask=None) -> torch.Tensor:
+    """Logits of a converted OPT: the original architecture with a position table long enough for the input,
+    zeroed (so it adds nothing at any position), the same weights and the reference attention above."""
+    reference = make_original(attn_implementation=REFERENCE_ATTENTION, max_position_embeddings=input_ids.shape[1])
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and missing == ["model.decoder.embed_positions.weight"], (missing, unexpected)
+    with torch.no_grad():
+        reference.model.decoder.embed_positions.weight.zero_()
+    return reference.eval()(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
 def rotary_reference_logits(make_original, model, input_ids, attention_mask=None) -> torch.Tensor:
     """Logits of a converted rotary decoder, computed by its original architecture with the same weights,
     the rotation zeroed and the reference attention above. ``make_original(attn_implementation=...)``

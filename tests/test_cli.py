@@ -18,13 +18,14 @@ from sharing import (
     output_tensor,
     run_child,
 )
-from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
 
 import hf_alibi
 from hf_alibi import cli
 from hf_alibi.hub import auto_classes_for
 
-ARCHITECTURES = sorted(TINY_BY_TYPE)
+ARCHITECTURES = sorted(TINY_BY_TYPE)  # the full cases (tests/arch_cases.py)
+SUPPORTED = hf_alibi.supported_model_types()
 
 
 def run_cli(*argv, capsys) -> tuple[int, str, str]:
@@ -159,9 +160,7 @@ def _no_config(src):
 def _unsupported(src):
     for path in src.iterdir():
         path.unlink()
-    OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2)).save_pretrained(
-        src
-    )
+    BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2)).save_pretrained(src)  # native ALiBi
 
 
 def _already_alibi(src):
@@ -177,7 +176,7 @@ def _already_alibi(src):
         (_break_config, "not valid JSON"),
         (_break_weights, "Could not load the model from SRC"),
         (_no_config, "has no config.json"),
-        (_unsupported, "cannot convert model_type='opt'. Supported model types: " + ", ".join(ARCHITECTURES)),
+        (_unsupported, "cannot convert model_type='bloom'. Supported model types: " + ", ".join(SUPPORTED)),
         (_already_alibi, "already an ALiBi checkpoint"),
     ],
     ids=["corrupt-config", "corrupt-weights", "no-config", "unsupported", "already-alibi"],

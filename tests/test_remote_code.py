@@ -48,11 +48,9 @@ def test_remote_code_imports_only_torch_transformers_the_stdlib_and_its_siblings
 
 
 def test_the_core_table_is_the_registry():
-    assert (
-        sorted(hf_alibi.ARCHITECTURES)
-        == hf_alibi.supported_model_types()
-        == sorted({case.model_type for case in TINY})
-    )
+    assert sorted(hf_alibi.ARCHITECTURES) == hf_alibi.supported_model_types()
+    # every row is in tests/arch_cases.py (test_architectures.py checks it); the full cases run here
+    assert {case.model_type for case in TINY} <= set(hf_alibi.supported_model_types())
     for model_type, row in hf_alibi.ARCHITECTURES.items():
         assert hf_alibi.get_architecture(model_type) == row
 

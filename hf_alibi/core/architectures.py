@@ -80,6 +80,10 @@ ARCHITECTURES: dict[str, Architecture] = {
             extra_classes=("GPT2DoubleHeadsModel",),
         ),
         Architecture("bert", "absolute", **_ABSOLUTE_BERT),
+        # OPT's table is indexed by position + 2 (its offset); the table goes, so the offset with it.
+        Architecture(
+            "opt", "absolute", position=("decoder.embed_positions",), attention=("decoder.layers.*.self_attn",)
+        ),
         Architecture("roberta", "absolute", **_ABSOLUTE_BERT, placeholder="pad_token_id"),
         Architecture(
             "t5", "relative",
@@ -90,12 +94,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         # The rotary decoders. The rotary fields (rope_parameters, partial_rotary_factor) stay: they build
         # the original layers and size nothing; max_position_embeddings is the one length limit.
         # Checked against an explicit-bias reference (tests/reference.py), eager and sdpa, with grouped KV
-        # heads, sliding windows (mistral, qwen2, gemma2, gemma3_text), soft-capping (gemma2: the bias is
-        # added after the cap, see eager.py) and partial rotary (phi3, stablelm, gpt_neox).
+        # heads, sliding windows (mistral, qwen2, gemma2, gemma3_text, cohere2, exaone4, ministral, mixtral,
+        # olmo3, qwen2_moe), soft-capping (gemma2: the bias is added after the cap, see eager.py), partial
+        # rotary (phi3, stablelm, gpt_neox, phi, persimmon, glm, glm4, nemotron), layers without rotary
+        # (smollm3) and mixture-of-experts MLPs (mixtral, olmoe, qwen2_moe, qwen3_moe, granitemoe).
         _rotary("gpt_neox", attention=("layers.*.attention",)),
         *(_rotary(model_type) for model_type in (
-            "cohere", "gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo", "olmo2", "phi3",
-            "qwen2", "qwen3", "stablelm", "starcoder2",
+            "apertus", "arcee", "cohere", "cohere2", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "glm",
+            "glm4", "granite", "granitemoe", "hunyuan_v1_dense", "llama", "ministral", "mistral", "mixtral",
+            "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "qwen2", "qwen2_moe",
+            "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
         )),
     )
 }  # fmt: skip

@@ -46,12 +46,12 @@ class NoPositionEmbedding(nn.Module):
 
     It has no weights and no size, so inputs of any length run, and it returns a 0-dim zero so
     that ``embeds + self.wpe(position_ids)`` keeps the embeddings' dtype and shape. It accepts any
-    arguments (OPT's table takes the attention mask and the cache length).
+    arguments (OPT's table takes the attention mask, the cache length and ``position_ids=``).
     """
 
-    def forward(self, position_ids: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
-        device = position_ids.device if isinstance(position_ids, torch.Tensor) else None
-        return torch.zeros((), device=device)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        return torch.zeros((), device=tensors[0].device if tensors else None)
 
 
 class IdentityRotary(nn.Module):
