@@ -540,6 +540,11 @@ class RecoveryResult:
     def final(self) -> dict[str, Any]:
         return self.history[-1] if self.history else {}
 
+    @property
+    def final_line(self) -> str:
+        """The last agreement figures as one line (:func:`format_agreement`)."""
+        return format_agreement(self.final)
+
 
 class _AgreementCallback(TrainerCallback):
     def __init__(self, evaluate: Callable[[int], None], every: int):
@@ -826,3 +831,137 @@ def write_recovery_card(folder: str | os.PathLike, result: RecoveryResult) -> No
             + (card[note_end:] if note_end >= 0 else "\n")
         )
     path.write_text(card.rstrip("\n") + "\n" + recovery_card_section(result))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hf-alibi recover SRC OUT --train_file F
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """The texts of a local file: ``.txt`` (the whole file, one text), ``.jsonl`` / ``.json`` (the ``text``
+    field of every record). Raises ``ValueError`` when the file is missing, unreadable or holds no text."""
+    import json
+    from pathlib import Path
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--train_file {str(path)!r} is not a file. Pass a .txt or .jsonl file of unlabeled text.")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as error:
+        raise ValueError(f"--train_file {str(path)!r} could not be read as UTF-8 text ({error}).") from error
+    if path.suffix in (".jsonl", ".json"):
+        try:
+            records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            if len(records) == 1 and isinstance(records[0], list):
+                records = records[0]
+            texts = [r["text"] for r in records if isinstance(r, dict) and isinstance(r.get("text"), str)]
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--train_file {str(path)!r} is not JSON lines with a 'text' field ({error}).") from error
+    else:
+        texts = [raw]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"--train_file {str(path)!r} holds no text. Pass the unlabeled text to recover with.")
+    return texts
+
+
+def _length_from_config(config_dict: dict) -> int | None:
+    """The original maximum length as config.json states it (None when it does not)."""
+    for key in ("n_positions", "max_position_embeddings"):
+        if isinstance(config_dict.get(key), int):
+            offset = config_dict.get("pad_token_id", 0) + 1 if config_dict["model_type"] == "roberta" else 0
+            return config_dict[key] - offset
+    return None
+
+
+def recover_checkpoint(
+    src: str,
+    out: str | os.PathLike,
+    train_file: str | os.PathLike,
+    *,
+    validation_file: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    **settings: Any,
+):
+    """What ``hf-alibi recover SRC OUT --train_file F`` does: load the original checkpoint ``src``, convert
+    a copy, distil (:func:`recover`, ``settings`` are its keyword arguments), and write ``out`` as a
+    normal converted checkpoint (weights, config with the ALiBi settings, remote code, tokenizer) whose
+    model card says how it was recovered, plus ``recovery.json`` (settings and agreement history).
+
+    Every input is checked before training, and ``out`` is written into a staging folder next to it and
+    renamed at the end: a failure leaves no half-written ``out``. Raises ``hf_alibi.cli.CliError``.
+
+    Example:
+        >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", max_steps=300)
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .cli import CliError, _check_paths, _has_tokenizer, _is_local, _load_config_dict, model_class_for
+    from .hub import finish_folder
+
+    out = Path(out)
+    _check_paths(src, out, overwrite)
+    config_dict = _load_config_dict(src)
+    if config_dict["model_type"].startswith("alibi_"):
+        raise CliError(
+            f"SRC {src!r} is already an ALiBi checkpoint (model_type {config_dict['model_type']!r}); recover needs "
+            "the original checkpoint it was converted from (the teacher)."
+        )
+    model_cls = model_class_for(config_dict)
+    try:
+        texts = read_texts(train_file)
+        eval_texts = read_texts(validation_file) if validation_file is not None else None
+    except ValueError as error:
+        raise CliError(str(error)) from error
+    if _has_tokenizer(src) is False:
+        raise CliError(f"SRC {src!r} has no tokenizer files; recover needs the model's tokenizer to read the text.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as error:
+        raise CliError(f"Could not load the tokenizer of SRC {src!r}: {error}") from error
+    stream = token_stream(texts, tokenizer)
+    eval_stream = token_stream(eval_texts, tokenizer) if eval_texts is not None else None
+    length = settings.get("length") or _length_from_config(config_dict)
+    if eval_stream is None:
+        too_short = length and stream.numel() < 2 * length + 1
+    else:
+        too_short = length and (stream.numel() < length or eval_stream.numel() < length + 1)
+    if too_short:
+        raise CliError(
+            f"The text is too short: {stream.numel()} tokens, but recovering at length {length} needs at least one "
+            f"training window of {length} tokens and a held-out slice of {length + 1}. Pass more text, or --length."
+        )
+    try:
+        teacher = model_cls.from_pretrained(src)
+    except Exception as error:
+        raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
+    try:
+        result = recover(teacher, stream, tokenizer, eval_texts=eval_stream, **settings)
+    except ValueError as error:
+        raise CliError(str(error)) from error
+    result.info["teacher"] = src
+
+    parent = out.expanduser().resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    try:
+        result.student.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "README.md").unlink(missing_ok=True)
+        finish_folder(staging, result.student.config, base_model=None if _is_local(src) else src)
+        write_recovery_card(staging, result)
+        (staging / "recovery.json").write_text(
+            json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out, result
