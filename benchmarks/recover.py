@@ -111,10 +111,10 @@ def build(name: str, args, vocab: int):
     raise ValueError(name)
 
 
-def mlm_batch(ids: torch.Tensor, mask_id: int, vocab: int, generator: torch.Generator):
-    """BERT's masking: 15% of the tokens are targets; of those 80% [MASK], 10% random, 10% kept."""
+def mlm_batch(ids: torch.Tensor, mask_id: int, vocab: int, generator: torch.Generator, probability: float):
+    """BERT's masking: ``probability`` of the tokens are targets; of those 80% [MASK], 10% random, 10% kept."""
     labels = ids.clone()
-    chosen = torch.rand(ids.shape, generator=generator) < 0.15
+    chosen = torch.rand(ids.shape, generator=generator) < probability
     labels[~chosen] = -100
     inputs = ids.clone()
     roll = torch.rand(ids.shape, generator=generator)
@@ -127,7 +127,10 @@ def mlm_batch(ids: torch.Tensor, mask_id: int, vocab: int, generator: torch.Gene
 def pretrain(name: str, args, data) -> tuple:
     """The original, pretrained at L with its position path; cached by the settings."""
     key_fields = {k: getattr(args, k) for k in ("length", "layers", "heads", "width", "vocab_size", "rotary_pct")}
-    key_fields.update(steps=args.pretrain_steps, batch=args.batch, lr=args.lr, seed=args.seed, train=args.train_tokens)
+    steps, lr = (args.bert_pretrain_steps, args.bert_lr) if name == "bert" else (args.pretrain_steps, args.lr)
+    key_fields.update(steps=steps, batch=args.batch, lr=lr, seed=args.seed, train=args.train_tokens)
+    if name == "bert":
+        key_fields["mlm_probability"] = args.mlm_probability
     key = hashlib.sha256(json.dumps([name, key_fields], sort_keys=True).encode()).hexdigest()[:12]
     folder = default_cache_dir() / "recover-bench" / f"{name}-{key}"
     cls = type(build(name, args, data["vocab"]))
@@ -136,19 +139,18 @@ def pretrain(name: str, args, data) -> tuple:
             (folder / "pretrain.json").read_text()
         )
     model = build(name, args, data["vocab"]).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     generator = torch.Generator().manual_seed(args.seed)
     train, length = data["train"], args.length
-    warmup = max(1, args.pretrain_steps // 20)
+    warmup = max(1, steps // 20)
     start = time.perf_counter()
-    for step in range(args.pretrain_steps):
-        lr = args.lr * min((step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * step / args.pretrain_steps)))
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * min((step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * step / steps)))
         starts = torch.randint(0, train.numel() - length, (args.batch,), generator=generator)
         ids = torch.stack([train[s : s + length] for s in starts.tolist()])
         if name == "bert":
-            inputs, labels = mlm_batch(ids, data["vocab"], data["vocab"], generator)
+            inputs, labels = mlm_batch(ids, data["vocab"], data["vocab"], generator, args.mlm_probability)
             loss = model(input_ids=inputs, labels=labels).loss
         else:
             loss = model(input_ids=ids, labels=ids).loss
@@ -156,11 +158,11 @@ def pretrain(name: str, args, data) -> tuple:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % max(1, args.pretrain_steps // 5) == 0:
-            print(f"  pretrain {name} step {step + 1}/{args.pretrain_steps}: loss {loss.item():.3f}", flush=True)
+        if (step + 1) % max(1, steps // 5) == 0:
+            print(f"  pretrain {name} step {step + 1}/{steps}: loss {loss.item():.3f}", flush=True)
     seconds = time.perf_counter() - start
     model.eval()
-    info = {"seconds": round(seconds, 1), "tokens": args.pretrain_steps * args.batch * length}
+    info = {"seconds": round(seconds, 1), "steps": steps, "tokens": steps * args.batch * length}
     info.update(position_evidence(name, model, data, args))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
@@ -174,7 +176,7 @@ def mlm_loss(model, stream: torch.Tensor, args, vocab: int) -> float:
     windows = stream[: stream.numel() // args.length * args.length].view(-1, args.length)
     total, count = 0.0, 0
     for i in range(0, len(windows), 32):
-        inputs, labels = mlm_batch(windows[i : i + 32], vocab, vocab, generator)
+        inputs, labels = mlm_batch(windows[i : i + 32], vocab, vocab, generator, args.mlm_probability)
         n = (labels != -100).sum().item()
         total += model(input_ids=inputs, labels=labels).loss.item() * n
         count += n
@@ -266,9 +268,14 @@ def main():
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--vocab_size", type=int, default=4096)
     parser.add_argument("--rotary_pct", type=float, default=1.0, help="NeoX rotary share (1.0: every dimension)")
-    parser.add_argument("--pretrain_steps", type=int, default=500)
+    parser.add_argument("--pretrain_steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=2e-3, help="pretraining learning rate")
+    parser.add_argument("--lr", type=float, default=2e-3, help="pretraining learning rate (GPT-2, NeoX)")
+    parser.add_argument("--bert_pretrain_steps", type=int, default=1200, help="MLM has fewer targets per step")
+    parser.add_argument("--bert_lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--mlm_probability", type=float, default=0.4, help="share of MLM targets (40%%: Wettig et al. 2023)"
+    )
     parser.add_argument("--steps", type=int, default=160, help="N: recovery steps")
     parser.add_argument("--recover_lr", type=float, default=5e-4)
     parser.add_argument("--train_tokens", type=int, default=1_000_000, help="the benchmark corpus (train)")
@@ -287,7 +294,8 @@ def main():
     L, N = args.length, args.steps
     print(
         f"# L={L}, {args.layers} layers, width {args.width}, {args.heads} heads, vocab {data['vocab']}; "
-        f"pretraining {args.pretrain_steps} x {args.batch} x {L}; recovery N={N} steps x {args.batch} x {L} "
+        f"pretraining {args.pretrain_steps} x {args.batch} x {L} (BERT: {args.bert_pretrain_steps}, MLM "
+        f"{args.mlm_probability:.0%}); recovery N={N} steps x {args.batch} x {L} "
         f"= {N * args.batch * L} tokens (benchmark corpus: {data['train'].numel()} train tokens); "
         f"{len(data['docs'])} retrieval documents, passages of {args.passage}",
         flush=True,

@@ -650,7 +650,8 @@ def recover(
 
     teacher = model
     was_training = teacher.training
-    student = copy.deepcopy(teacher)
+    requires_grad = [p.requires_grad for p in teacher.parameters()]
+    student = copy.deepcopy(teacher).requires_grad_(True)
     hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant)
     if warm_start_steps and _position_table(teacher) is None:
         raise ValueError(
@@ -716,6 +717,8 @@ def recover(
         if scratch is not None:
             scratch.cleanup()
         teacher.train(was_training)
+        for parameter, flag in zip(teacher.parameters(), requires_grad):  # the trainer froze it; give it back
+            parameter.requires_grad_(flag)
     seconds = time.perf_counter() - start
     student = trainer.accelerator.unwrap_model(trainer.model).eval()
     evaluate(max_steps)
