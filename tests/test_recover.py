@@ -177,7 +177,10 @@ def test_recover_returns_a_converted_student_closer_to_the_teacher():
     )
     assert hf_alibi.is_alibi_model(result.student) and not hf_alibi.is_alibi_model(teacher)
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+    assert all(p.requires_grad for p in teacher.parameters()), "recover must give the teacher back as it was"
     assert [h["step"] for h in result.history] == [0, 3, 6, 9, 12]
+    again = recover(teacher, stream, length=16, max_steps=2, batch_size=8, progress=False, log=None)
+    assert again.history[-1]["cosine"] != again.history[0]["cosine"], "a second recovery must train too"
     assert result.history[-1]["cosine"] > result.history[0]["cosine"]
     assert {"cosine_2x", "cosine_4x", "cosine_8x"} <= set(result.final)
     assert result.info["tokens"] == 12 * 8 * 16 and result.info["length"] == 16
