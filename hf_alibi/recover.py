@@ -239,9 +239,6 @@ class DistillationTrainer(Trainer):
         self.warm_start = PositionWarmStart(student, teacher, warm_start_steps) if warm_start_steps > 0 else None
         self._frozen: list[nn.Parameter] = []
 
-    def _needs_hidden(self) -> bool:
-        return self.kind != CAUSAL or self.hidden_layers == "all"
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
