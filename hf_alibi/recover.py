@@ -627,7 +627,9 @@ def recover(
     kind = model_kind(model)
     length = length or original_length(model)
     if not length:
-        raise ValueError(f"{model.config.model_type} has no position table to read its length from: pass length (--length on the command line).")
+        raise ValueError(
+            f"{model.config.model_type} has no position table to read its length from: pass length (CLI: --length)."
+        )
 
     stream = _as_stream(texts, tokenizer, "texts")
     if eval_texts is not None:
