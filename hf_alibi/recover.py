@@ -744,7 +744,7 @@ def recover(
 
 def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:
     if kind == CAUSAL:
-        name = f"KL(teacher || student) of next-token distributions (temperature {temperature:g})"
+        name = f"KL(teacher ‖ student) of next-token distributions (temperature {temperature:g})"
     else:
         layers = "last layer" if hidden_layers == "last" else "every layer"
         name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ else "")
@@ -803,7 +803,7 @@ embeddings (`hf_alibi.recover`), on unlabeled text at the original length {info[
 |---|---|
 {table}
 
-Agreement with the original on the held-out text, before and after (`kl`: per token, teacher || student;
+Agreement with the original on the held-out text, before and after (`kl`: per token, KL(teacher ‖ student);
 `ppl_kx` / `cosine_kx`: the recovered model at k x the original length):
 
 | figure | converted, not trained | recovered |

@@ -324,6 +324,7 @@ def test_recovered_card_and_info(recovered, capsys):
     assert card.startswith("---") and "## Recovery (self-distillation from the original)" in card
     assert "| steps x batch x length | 4 x 4 x 16 |" in card and "must be fine-tuned" not in card
     assert f"| kl | {result.history[0]['kl']:.4g} | {result.final['kl']:.4g} |" in card
+    assert "||" not in card.split("## Recovery")[1], "a '|' in a cell breaks the card's tables"
     saved = json.loads((out / "recovery.json").read_text())
     assert saved["history"][-1]["step"] == 4 and saved["info"]["tokens"] == 4 * 4 * 16
     code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)
