@@ -332,7 +332,6 @@ def test_recovered_card_and_info(recovered, capsys):
     assert code == 0 and info["is_alibi"] and info["base_model_type"] == "gpt2" and info["remote_code_file"]
 
 
-@pytest.mark.slow  # a child Python that imports transformers: about 20 s on the shared machine
 def test_recovered_checkpoint_loads_without_hf_alibi(recovered, tmp_path):
     _, out, result = recovered
     ids = random_ids(2, 40, seed=8)
