@@ -89,7 +89,11 @@ def _position_table(model: nn.Module) -> tuple[nn.Embedding, int] | None:
 def original_length(model: PreTrainedModel) -> int | None:
     """The longest input the original model was built for: its position table's size (GPT-2
     ``n_positions``, BERT ``max_position_embeddings``, RoBERTa's less its offset), else the config's
-    ``max_position_embeddings`` (rotary models), else None (T5: pass ``length``)."""
+    ``max_position_embeddings`` (rotary models), else None (T5: pass ``length``).
+
+    >>> original_length(GPT2LMHeadModel(GPT2Config(n_positions=128)))
+    128
+    """
     table = _position_table(model)
     if table is not None:
         return table[0].num_embeddings - table[1]
@@ -173,7 +177,12 @@ def distillation_loss(
     hidden_layers: str = "last",
 ) -> torch.Tensor:
     """The distillation loss of one batch (see the module docstring). The outputs need ``logits``
-    (causal, seq2seq) or ``hidden_states`` (encoders; run both with ``output_hidden_states=True``)."""
+    (causal, seq2seq) or ``hidden_states`` (encoders; run both with ``output_hidden_states=True``).
+
+    >>> with torch.no_grad():
+    ...     t = teacher(input_ids=ids, output_hidden_states=True)
+    >>> distillation_loss(student(input_ids=ids, output_hidden_states=True), t, "encoder").backward()
+    """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
     if hidden_layers not in HIDDEN_LAYERS:
@@ -379,7 +388,11 @@ def embedding_cosine(
     """Mean cosine between the student's mean-pooled embedding of each window of ``factor * length``
     tokens of ``stream`` and the teacher's, which at ``factor > 1`` is the mean of its mean-pooled
     embeddings of the window's ``factor`` pieces of ``length`` tokens (it cannot read past ``length``).
-    None when ``stream`` is shorter than one window."""
+    None when ``stream`` is shorter than one window.
+
+    >>> embedding_cosine(student_bert, original_bert, held_out_ids, length=128, factor=4)
+    0.97
+    """
     windows = _windows(stream, length * factor)
     if len(windows) == 0:
         return None
@@ -393,7 +406,11 @@ def next_token_kl(
     student: PreTrainedModel, teacher: PreTrainedModel, stream: torch.Tensor, length: int, batch_size: int = 8
 ) -> float | None:
     """Mean per-token ``KL(teacher || student)`` of the next-token distributions over the windows of
-    ``length`` tokens of ``stream`` (non-overlapping); None when ``stream`` is shorter than one window."""
+    ``length`` tokens of ``stream`` (non-overlapping); None when ``stream`` is shorter than one window.
+
+    >>> next_token_kl(student_gpt2, original_gpt2, held_out_ids, length=1024)
+    0.04
+    """
     windows = _windows(stream, length)
     if len(windows) == 0:
         return None
@@ -492,7 +509,11 @@ class _Blocks(torch.utils.data.Dataset):
 
 def token_stream(texts: Sequence[str], tokenizer) -> torch.Tensor:
     """The texts tokenized without special tokens and joined into one 1-d stream, separated by the
-    tokenizer's eos (else sep) token when it has one."""
+    tokenizer's eos (else sep) token when it has one.
+
+    >>> token_stream(["def f():", "return 1"], tokenizer).shape
+    torch.Size([9])
+    """
     if isinstance(texts, str):
         texts = [texts]
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
@@ -820,7 +841,10 @@ def _fmt(value) -> str:
 
 def write_recovery_card(folder: str | os.PathLike, result: RecoveryResult) -> None:
     """Append :func:`recovery_card_section` to ``folder``/README.md (the converted checkpoint's card) and
-    remove the card's note that a converted model must be fine-tuned first (this one was)."""
+    remove the card's note that a converted model must be fine-tuned first (this one was).
+
+    >>> result.student.save_pretrained("recovered"); write_recovery_card("recovered", result)
+    """
     from pathlib import Path
 
     path = Path(folder) / "README.md"
@@ -841,7 +865,11 @@ def write_recovery_card(folder: str | os.PathLike, result: RecoveryResult) -> No
 
 def read_texts(path: str | os.PathLike) -> list[str]:
     """The texts of a local file: ``.txt`` (the whole file, one text), ``.jsonl`` / ``.json`` (the ``text``
-    field of every record). Raises ``ValueError`` when the file is missing, unreadable or holds no text."""
+    field of every record). Raises ``ValueError`` when the file is missing, unreadable or holds no text.
+
+    >>> read_texts("notes.jsonl")    # {"text": ...} per line
+    ['first note', 'second note']
+    """
     import json
     from pathlib import Path
 
