@@ -2,6 +2,7 @@
 
     hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
+    hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
     hf-alibi info PATH [--json]
 
 SRC is a local checkpoint folder or a Hub id. OUT gets safetensors weights, config.json with the ALiBi
@@ -243,6 +244,36 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--private", action="store_true", help="create the Hub repo private")
     conv.add_argument("--commit-message", default=None, help="commit message of the upload")
 
+    rec = commands.add_parser(
+        "recover",
+        help="convert a checkpoint and recover it by self-distillation from the original on your text",
+        description="Load SRC, convert a copy to ALiBi, train it to give SRC's outputs on your unlabeled text "
+        "at the original length (KL of next-token distributions for causal LMs, hidden states for encoders), "
+        "and write OUT as a converted checkpoint. See hf_alibi.recover.",
+    )
+    rec.add_argument("src", metavar="SRC", help="the original checkpoint (folder or Hub id, with a tokenizer)")
+    rec.add_argument("out", metavar="OUT", help="folder to write the recovered ALiBi checkpoint to")
+    rec.add_argument("--train-file", "--train_file", required=True, help="unlabeled text: .txt, or .jsonl with 'text'")
+    rec.add_argument(
+        "--validation-file", "--validation_file", default=None, help="held-out text (default: the end of F)"
+    )
+    rec.add_argument("--length", type=int, default=None, help="training length (default: the original maximum)")
+    rec.add_argument("--max-steps", "--max_steps", type=int, default=500)
+    rec.add_argument("--batch-size", "--batch_size", type=int, default=8)
+    rec.add_argument("--learning-rate", "--learning_rate", type=float, default=2e-4)
+    rec.add_argument("--lm-weight", "--lm_weight", type=float, default=0.0, help="share of the LM/MLM loss (0..1)")
+    rec.add_argument("--temperature", type=float, default=1.0, help="KL temperature (causal LMs)")
+    rec.add_argument("--hidden-layers", "--hidden_layers", choices=("last", "all"), default="last")
+    rec.add_argument("--warm-start-steps", "--warm_start_steps", type=int, default=0)
+    rec.add_argument("--attention-only-steps", "--attention_only_steps", type=int, default=0)
+    rec.add_argument("--eval-every", "--eval_every", type=int, default=None, help="default: max steps / 4")
+    rec.add_argument("--heads", type=int, default=None, help="number of heads (must match the config; checked)")
+    rec.add_argument(
+        "--encoder-variant", choices=ENCODER_VARIANTS, default=None, help="bidirectional bias (default symmetric)"
+    )
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
     info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
     info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -261,6 +292,18 @@ def main(argv: list[str] | None = None) -> int:
 
                 push_folder(out, args.push_to_hub, private=args.private or None, commit_message=args.commit_message)
                 print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
+        elif args.command == "recover":
+            from hf_alibi.recover import recover_checkpoint
+
+            out, result = recover_checkpoint(
+                args.src, args.out, args.train_file, validation_file=args.validation_file,
+                overwrite=args.overwrite, length=args.length, max_steps=args.max_steps,
+                batch_size=args.batch_size, learning_rate=args.learning_rate, lm_weight=args.lm_weight,
+                temperature=args.temperature, hidden_layers=args.hidden_layers, heads=args.heads,
+                encoder_variant=args.encoder_variant, warm_start_steps=args.warm_start_steps,
+                attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
+            )  # fmt: skip
+            print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "info":
             info = describe(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)

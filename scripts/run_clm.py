@@ -7,6 +7,10 @@ one linear ``main()``), plus:
 - ``--alibi`` converts the model with ``hf_alibi.patch_model`` before training (from scratch with
   ``--model_type`` / ``--config_overrides``, or converting ``--model_name_or_path``); ``--alibi_heads``
   checks the head count. With ``--alibi``, ``--block_size`` is not capped by the position table.
+- ``--distill_from_original`` (with ``--model_name_or_path`` and ``--alibi``): recover the converted model by
+  self-distillation from the original (``hf_alibi.recover``): the loss is the KL of the next-token
+  distributions to the unconverted checkpoint (``--distill_lm_weight`` mixes in the LM loss), at the
+  original length; the agreement (KL, perplexity at 1x, 2x, 4x, 8x) goes to ``distill_agreement.json``.
 - ``--train_sequence_length_scaling s``: training batches (B, L) become (B / s, L * s) (composer).
 - ``--eval_lengths 256,512,...`` / ``--eval_stride``: perplexity of the validation and test splits at
   every length, non-overlapping and sliding window; ``eval_results.json`` gets the figures, the log
@@ -25,6 +29,7 @@ Several processes on CPUs (DDP, gloo):
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -50,6 +55,7 @@ from transformers import (
 import hf_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
+from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind, original_length
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
 
 logger = logging.getLogger(__name__)
@@ -73,12 +79,31 @@ class ModelArguments:
     alibi_heads: int | None = field(
         default=None, metadata={"help": "Attention heads for the slopes; must equal the config's (checked)."}
     )
+    distill_from_original: bool = field(
+        default=False,
+        metadata={
+            "help": "With --model_name_or_path and --alibi: distil the original checkpoint into the converted one."
+        },
+    )
+    distill_lm_weight: float = field(default=0.0, metadata={"help": "Share of the LM loss in the distillation loss."})
+    distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the distillation KL."})
+    distill_hidden_layers: str = field(default="last", metadata={"help": "Hidden-state loss layers: last or all."})
+    distill_warm_start_steps: int = field(
+        default=0, metadata={"help": "Fade the original position table to zero over these first steps."}
+    )
+    distill_attention_only_steps: int = field(
+        default=0, metadata={"help": "Train only the attention weights during these first steps."}
+    )
 
     def __post_init__(self):
         if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
             raise ValueError("--config_overrides can't be used with --config_name or --model_name_or_path")
         if self.alibi_heads is not None and not self.alibi:
             raise ValueError("--alibi_heads only applies with --alibi.")
+        if self.distill_from_original and (not self.alibi or self.model_name_or_path is None):
+            raise ValueError(
+                "--distill_from_original needs --model_name_or_path (the original, the teacher) and --alibi."
+            )
 
 
 @dataclass
@@ -215,6 +240,18 @@ def main():
         logger.info(f"Training new model from scratch: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
+    teacher = None
+    if model_args.distill_from_original:
+        if hf_alibi.is_alibi_model(model):
+            raise ValueError(
+                "--distill_from_original needs the original checkpoint (the teacher), but "
+                f"{model_args.model_name_or_path} is already ALiBi. Pass the checkpoint it was converted from."
+            )
+        if data_args.train_sequence_length_scaling != 1:
+            raise ValueError(
+                "--distill_from_original trains at the original length: leave out --train_sequence_length_scaling."
+            )
+        teacher = copy.deepcopy(model)
     if model_args.alibi:
         if hf_alibi.is_alibi_model(model):
             logger.info("The checkpoint is already an ALiBi model; training it as it is.")
@@ -243,6 +280,11 @@ def main():
 
     # Block size: only an unpatched model is held to its position table
     block_size = data_args.block_size or 1024
+    if teacher is not None and original_length(teacher) and block_size > original_length(teacher):
+        logger.warning(
+            f"--distill_from_original: block_size {block_size} > the original's {original_length(teacher)}."
+        )
+        block_size = original_length(teacher)
     if not alibi_model and position_limit is not None and block_size > position_limit:
         logger.warning(f"block_size {block_size} > the model's {position_limit} positions: using {position_limit}.")
         block_size = position_limit
@@ -277,15 +319,32 @@ def main():
     if eval_dataset is not None and data_args.max_eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples)))
 
-    trainer = LengthScalingTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=default_data_collator,
-        train_sequence_length_scaling=data_args.train_sequence_length_scaling,
-    )
+    if teacher is not None:
+        trainer = DistillationTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=default_data_collator,
+            teacher=teacher,
+            kind=model_kind(teacher),
+            lm_weight=model_args.distill_lm_weight,
+            temperature=model_args.distill_temperature,
+            hidden_layers=model_args.distill_hidden_layers,
+            warm_start_steps=model_args.distill_warm_start_steps,
+            attention_only_steps=model_args.distill_attention_only_steps,
+        )
+    else:
+        trainer = LengthScalingTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            data_collator=default_data_collator,
+            train_sequence_length_scaling=data_args.train_sequence_length_scaling,
+        )
 
     # Training
     if training_args.do_train:
@@ -306,6 +365,18 @@ def main():
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         eval_metrics = metrics
+
+    # Agreement with the original (distillation): KL and perplexity at the original length, student at 2x..8x
+    if teacher is not None and "validation" in tokenized_datasets and training_args.process_index == 0:
+        ids = torch.tensor(list(chain(*tokenized_datasets["validation"]["input_ids"])), dtype=torch.long)
+        ids = ids[: (data_args.max_eval_tokens or 8192) + 1]
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        figures = agreement(student, trainer.teacher, ids, block_size, (1, 2, 4, 8), model_kind(teacher))
+        figures.update(length=block_size, steps=trainer.state.global_step, tokens=int(ids.numel()))
+        os.makedirs(training_args.output_dir, exist_ok=True)
+        with open(os.path.join(training_args.output_dir, "distill_agreement.json"), "w") as f:
+            json.dump(figures, f, indent=2, sort_keys=True)
+        print(f"\nAgreement with the original (validation, length {block_size}): {format_agreement(figures)}")
 
     # Evaluation at many lengths: every rank takes a share of the windows, all get the same sums
     if data_args.lengths:
