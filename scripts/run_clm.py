@@ -46,6 +46,7 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 import hf_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
@@ -117,6 +118,47 @@ class DataTrainingArguments:
             raise ValueError(f"--eval_lengths must be positive integers, got {self.eval_lengths!r}.")
 
 
+def checkpoint_alibi_settings(checkpoint: str | os.PathLike) -> dict | None:
+    """The ``alibi`` settings in a checkpoint folder's config.json; ``None`` when it is not an ALiBi checkpoint."""
+    config_path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(
+            f"--resume_from_checkpoint {checkpoint!r} has no config.json: pass a checkpoint folder this script saved "
+            "(output_dir/checkpoint-N)."
+        )
+    with open(config_path) as f:
+        config = json.load(f)
+    if str(config.get("model_type", "")).startswith("alibi_") and config.get("alibi"):
+        return config["alibi"]
+    return None
+
+
+def check_resume(model_args: ModelArguments, resume_from_checkpoint: str | None) -> None:
+    """Resuming needs the model the checkpoint was saved from: ALiBi or not, the optimizer state and the weights
+    only fit that one. An ALiBi checkpoint resumed without ``--alibi`` continues as ALiBi (with its saved heads);
+    a checkpoint without ALiBi resumed with ``--alibi`` is an error."""
+    if not resume_from_checkpoint or model_args.model_name_or_path:
+        return  # no resuming, or the model itself is loaded from a checkpoint (ALiBi or not, as saved)
+    settings = checkpoint_alibi_settings(resume_from_checkpoint)
+    if settings is not None and not model_args.alibi:
+        logger.warning(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is an ALiBi checkpoint ({settings}): "
+            "continuing as ALiBi, as with --alibi."
+        )
+        model_args.alibi = True
+    elif settings is None and model_args.alibi:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is not an ALiBi checkpoint (no 'alibi' in its "
+            "config.json), but --alibi was given: its weights and optimizer state belong to the model with position "
+            "embeddings. Resume it without --alibi, or start a new ALiBi run (another --output_dir)."
+        )
+    if settings is not None and model_args.alibi_heads not in (None, settings["heads"]):
+        raise ValueError(
+            f"--alibi_heads {model_args.alibi_heads} but the checkpoint {resume_from_checkpoint} was trained with "
+            f"{settings['heads']} heads. Omit --alibi_heads to resume it."
+        )
+
+
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
@@ -138,6 +180,14 @@ def main():
     logger.info(f"Training/evaluation parameters {training_args}")
 
     set_seed(training_args.seed)
+
+    resume_from_checkpoint = training_args.resume_from_checkpoint
+    if training_args.do_train and resume_from_checkpoint is not None:
+        if str(resume_from_checkpoint).lower() in ("true", "last"):  # the latest checkpoint-N of output_dir
+            resume_from_checkpoint = get_last_checkpoint(training_args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"--resume_from_checkpoint: no checkpoint-N folder in {training_args.output_dir}.")
+        check_resume(model_args, resume_from_checkpoint)
 
     # Data: the Hub, local files, or the embedded corpus
     if data_args.dataset_name is not None:
@@ -289,7 +339,7 @@ def main():
 
     # Training
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         trainer.save_model()
         metrics = train_result.metrics
         metrics["train_samples"] = len(train_dataset)
