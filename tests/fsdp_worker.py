@@ -144,6 +144,7 @@ def run_case(spec: str, out: Path, rank: int, world: int) -> dict:
         "learned_local_shapes": learned_local,
         "losses": losses,
         "diff_vs_reference": max_diff(trained, reference.state_dict()),
+        "moved_from_initial": max_diff(trained, initial),
         "learned_moved": {
             n: (trained[n] - initial[n]).abs().max().item()
             for n in trained
