@@ -65,3 +65,32 @@ def test_plain_checkpoint_resumed_with_alibi_is_a_clear_error(tmp_path):
     assert last.startswith("ValueError: --resume_from_checkpoint") and "is not an ALiBi checkpoint" in last, last
     assert "Resume it without --alibi" in last
     assert not (tmp_path / "b").exists()  # stopped before anything was trained or written
+
+
+def test_checkpoints_without_config_json_get_one(tmp_path):
+    """With FSDP's SHARDED_STATE_DICT the Trainer writes only shards into checkpoint-N: run_clm.py's callback
+    adds config.json there (on the main process only, never over an existing one), so resuming knows."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from tiny import tiny_gpt2
+
+    import hf_alibi
+
+    spec = importlib.util.spec_from_file_location("run_clm", SCRIPT)
+    run_clm = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("run_clm", run_clm)  # its dataclasses look their module up there
+    spec.loader.exec_module(run_clm)
+    model = hf_alibi.patch_model(tiny_gpt2())
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    (tmp_path / "checkpoint-4" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    callback = run_clm.SaveConfigCallback()
+    callback.on_save(args, SimpleNamespace(is_world_process_zero=False, global_step=4), None, model=model)
+    assert not (tmp_path / "checkpoint-4" / "config.json").exists()  # not the main process
+    callback.on_save(args, SimpleNamespace(is_world_process_zero=True, global_step=4), None, model=model)
+    assert run_clm.checkpoint_alibi_settings(tmp_path / "checkpoint-4") == model.config.alibi
+    (tmp_path / "checkpoint-6").mkdir()
+    (tmp_path / "checkpoint-6" / "config.json").write_text('{"model_type": "gpt2"}')
+    callback.on_save(args, SimpleNamespace(is_world_process_zero=True, global_step=6), None, model=model)
+    assert json.loads((tmp_path / "checkpoint-6" / "config.json").read_text()) == {"model_type": "gpt2"}
+    assert run_clm.checkpoint_alibi_settings(tmp_path / "checkpoint-6") is None
