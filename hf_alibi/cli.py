@@ -116,6 +116,9 @@ def _check_paths(src: str, out: Path, overwrite: bool) -> None:
             raise CliError(f"OUT {str(out)!r} overlaps SRC {src!r}; hf_alibi never writes into SRC. Pick another OUT.")
     if out.exists() and not out.is_dir():
         raise CliError(f"OUT {str(out)!r} exists and is not a folder.")
+    existing = next(parent for parent in out_resolved.parents if parent.exists())
+    if not existing.is_dir():
+        raise CliError(f"OUT {str(out)!r} is inside the file {str(existing)!r}, not a folder. Pick another OUT.")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CliError(
             f"OUT {str(out)!r} exists and is not empty. Pass --overwrite to replace it, or pick another OUT."
@@ -141,29 +144,33 @@ def convert(
     _check_paths(src, out, overwrite)
     config_dict = _load_config_dict(src)
     model_cls = model_class_for(config_dict)
+    parent = out.expanduser().resolve().parent
+    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]  # made here, removed on failure
+    staging = None
     try:
-        model = model_cls.from_pretrained(src)
-    except Exception as error:
-        raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
-    try:
-        hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant)
-    except ValueError as error:
-        raise CliError(str(error)) from error
-
-    tokenizer = None
-    has_tokenizer = _has_tokenizer(src)
-    if has_tokenizer is not False:
-        from transformers import AutoTokenizer
-
+        # the staging folder first: a place that cannot be written fails before the model is loaded
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(src)
+            model = model_cls.from_pretrained(src)
         except Exception as error:
-            if has_tokenizer:
-                raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
+            raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
+        try:
+            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant)
+        except ValueError as error:
+            raise CliError(str(error)) from error
 
-    out.expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.expanduser().resolve().parent))
-    try:
+        tokenizer = None
+        has_tokenizer = _has_tokenizer(src)
+        if has_tokenizer is not False:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(src)
+            except Exception as error:
+                if has_tokenizer:
+                    raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
+
         model.save_pretrained(staging)  # safetensors, config.json, modeling_alibi.py, auto_map
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
@@ -173,8 +180,21 @@ def convert(
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as error:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # innermost first; only the folders this call made, and only if empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        if isinstance(error, OSError):
+            reason = error.strerror or str(error)
+            where = f" ({error.filename})" if error.filename else ""
+            raise CliError(
+                f"Could not write OUT {str(out)!r}: {reason}{where}. Nothing was written; "
+                "pick a folder you can write to."
+            ) from error
         raise
     return out
 
@@ -199,11 +219,54 @@ def describe(path: str) -> dict:
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
         if _is_local(path):
             info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
+        if settings.encoder_variant == "learned":
+            info["learned_slopes"] = learned_slopes(path) if _is_local(path) else None
     else:
         info["convertible"] = model_type in hf_alibi.supported_model_types()
     if _is_local(path):
         info["tokenizer"] = _has_tokenizer(path)
     return info
+
+
+LEARNED_SUFFIXES = (".alibi.slopes_left", ".alibi.slopes_right")
+
+
+def learned_slopes(path: str | os.PathLike) -> dict[str, dict[str, list[float]]]:
+    """The learned encoder slopes saved in a checkpoint folder, per layer: ``-sigmoid`` of the saved
+    ``...alibi.slopes_left`` / ``slopes_right`` parameters (the bias is ``left * (i - j)`` for keys at or
+    left of the query, ``right * (j - i)`` right of it). Keys are the layers' parameter prefixes."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CliError(f"PATH {str(path)!r} has no safetensors weights: the learned slopes cannot be read.")
+    raw: dict[str, dict[str, torch.Tensor]] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as weights:
+            for key in weights.keys():
+                for suffix in LEARNED_SUFFIXES:
+                    if key.endswith(suffix):
+                        side = suffix.rsplit("_", 1)[1]  # "left" / "right"
+                        raw.setdefault(key.removesuffix(suffix), {})[side] = weights.get_tensor(key)
+    if not raw:
+        raise CliError(
+            f"PATH {str(path)!r} says encoder_variant 'learned' but its weights hold no learned slopes "
+            "(...alibi.slopes_left / slopes_right): the checkpoint is incomplete; save it again with save_pretrained."
+        )
+
+    def layer_order(prefix: str) -> list:  # numbered layers in numeric order: layer.2 before layer.10
+        return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in prefix.split(".")]
+
+    return {
+        prefix: {side: (-torch.sigmoid(raw[prefix][side].double())).tolist() for side in ("left", "right")}
+        for prefix in sorted(raw, key=layer_order)
+    }
 
 
 def _print_info(info: dict) -> None:
@@ -213,7 +276,18 @@ def _print_info(info: dict) -> None:
         )
         print(f"  heads: {info['heads']}")
         print(f"  encoder variant: {info['encoder_variant'] or 'none (causal self-attention only)'}")
-        print(f"  slopes: {', '.join(f'{s:.6g}' for s in info['slopes'])}")
+        fixed = ", ".join(f"{s:.6g}" for s in info["slopes"])
+        if info["encoder_variant"] == "learned":
+            if info.get("learned_slopes") is None:
+                print("  learned slopes: in the weights (download the checkpoint and run info on its folder)")
+            else:
+                print("  learned slopes (-sigmoid of the saved parameters), per layer, left | right:")
+                for prefix, sides in info["learned_slopes"].items():
+                    left, right = (", ".join(f"{s:.6g}" for s in sides[side]) for side in ("left", "right"))
+                    print(f"    {prefix}: {left} | {right}")
+            print(f"  fixed slopes (causal self-attention only, if any): {fixed}")
+        else:
+            print(f"  slopes: {fixed}")
         print(f"  converted by hf_alibi {info['hf_alibi_version']}")
         remote = "yes" if info["remote_code"] and info.get("remote_code_file", True) else "no"
         print(f"  loadable without hf_alibi (trust_remote_code=True): {remote}")

@@ -155,10 +155,14 @@ Without hf_alibi, with the code stored in this repository (`{REMOTE_CODE_FILE.na
 transformers only; read it before you trust it):
 
 ```python
-from transformers import {auto_name}
+from transformers import AutoTokenizer, {auto_name}
 
 model = {auto_name}.from_pretrained("REPO_OR_FOLDER", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("REPO_OR_FOLDER", trust_remote_code=False)  # runs no custom code
 ```
+
+(The tokenizer needs no custom code, but without `trust_remote_code=False` transformers reads config.json
+first and asks whether to run the code its `auto_map` names.)
 
 Loading it with neither fails with an error: plain transformers never rebuilds it as the original
 architecture with fresh position embeddings.

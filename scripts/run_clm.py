@@ -47,13 +47,16 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     HfArgumentParser,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import hf_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
+from hf_alibi.distributed import fsdp_requested, fsdp_requested_but_not_used, is_fsdp2, unsharded_copy
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind, original_length
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
@@ -142,6 +145,63 @@ class DataTrainingArguments:
             raise ValueError(f"--eval_lengths must be positive integers, got {self.eval_lengths!r}.")
 
 
+class SaveConfigCallback(TrainerCallback):
+    """Writes config.json into every checkpoint-N that lacks one. With FSDP's SHARDED_STATE_DICT the Trainer
+    saves only the shards (``pytorch_model_fsdp_0``) and the optimizer there; config.json says whether the
+    checkpoint is ALiBi, with which settings, when it is resumed or merged (``accelerate merge-weights``)."""
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero or model is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+            model.config.save_pretrained(folder)
+
+
+def checkpoint_alibi_settings(checkpoint: str | os.PathLike) -> dict | None:
+    """The ``alibi`` settings in a checkpoint folder's config.json; ``None`` when it is not an ALiBi checkpoint."""
+    config_path = os.path.join(checkpoint, "config.json")
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"--resume_from_checkpoint {checkpoint!r} is not a folder: pass output_dir/checkpoint-N.")
+    if not os.path.isfile(config_path):
+        logger.warning(f"{checkpoint} has no config.json: cannot check that it is ALiBi (or not) like this run.")
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    if str(config.get("model_type", "")).startswith("alibi_") and config.get("alibi"):
+        return config["alibi"]
+    return None
+
+
+def check_resume(model_args: ModelArguments, resume_from_checkpoint: str | None) -> None:
+    """Resuming needs the model the checkpoint was saved from: ALiBi or not, the optimizer state and the weights
+    only fit that one. An ALiBi checkpoint resumed without ``--alibi`` continues as ALiBi (with its saved heads);
+    a checkpoint without ALiBi resumed with ``--alibi`` is an error."""
+    if not resume_from_checkpoint or model_args.model_name_or_path:
+        return  # no resuming, or the model itself is loaded from a checkpoint (ALiBi or not, as saved)
+    if not os.path.isfile(os.path.join(resume_from_checkpoint, "config.json")):
+        checkpoint_alibi_settings(resume_from_checkpoint)  # not a folder: an error; no config.json: a warning
+        return
+    settings = checkpoint_alibi_settings(resume_from_checkpoint)
+    if settings is not None and not model_args.alibi:
+        logger.warning(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is an ALiBi checkpoint ({settings}): "
+            "continuing as ALiBi, as with --alibi."
+        )
+        model_args.alibi = True
+    elif settings is None and model_args.alibi:
+        raise ValueError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is not an ALiBi checkpoint (no 'alibi' in its "
+            "config.json), but --alibi was given: its weights and optimizer state belong to the model with position "
+            "embeddings. Resume it without --alibi, or start a new ALiBi run (another --output_dir)."
+        )
+    if settings is not None and model_args.alibi_heads not in (None, settings["heads"]):
+        raise ValueError(
+            f"--alibi_heads {model_args.alibi_heads} but the checkpoint {resume_from_checkpoint} was trained with "
+            f"{settings['heads']} heads. Omit --alibi_heads to resume it."
+        )
+
+
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
@@ -163,6 +223,17 @@ def main():
     logger.info(f"Training/evaluation parameters {training_args}")
 
     set_seed(training_args.seed)
+    not_fsdp = fsdp_requested_but_not_used(training_args.distributed_state.distributed_type)
+    if not_fsdp and training_args.distributed_state.distributed_type.value in ("MULTI_CPU", "NO"):
+        raise ValueError(not_fsdp)  # before the data: a CPU launch never becomes FSDP
+
+    resume_from_checkpoint = training_args.resume_from_checkpoint
+    if training_args.do_train and resume_from_checkpoint is not None:
+        if str(resume_from_checkpoint).lower() in ("true", "last"):  # the latest checkpoint-N of output_dir
+            resume_from_checkpoint = get_last_checkpoint(training_args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"--resume_from_checkpoint: no checkpoint-N folder in {training_args.output_dir}.")
+        check_resume(model_args, resume_from_checkpoint)
 
     # Data: the Hub, local files, or the embedded corpus
     if data_args.dataset_name is not None:
@@ -334,6 +405,7 @@ def main():
             hidden_layers=model_args.distill_hidden_layers,
             warm_start_steps=model_args.distill_warm_start_steps,
             attention_only_steps=model_args.distill_attention_only_steps,
+            callbacks=[SaveConfigCallback()],
         )
     else:
         trainer = LengthScalingTrainer(
@@ -344,12 +416,24 @@ def main():
             processing_class=tokenizer,
             data_collator=default_data_collator,
             train_sequence_length_scaling=data_args.train_sequence_length_scaling,
+            callbacks=[SaveConfigCallback()],
         )
+    not_fsdp = fsdp_requested_but_not_used(trainer.accelerator.distributed_type)
+    if not_fsdp:
+        raise ValueError(not_fsdp)
 
     # Training
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         trainer.save_model()
+        if fsdp_requested() and is_fsdp2(trainer.model):
+            sharded_only = "FULL_STATE_DICT" not in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+            gathered = unsharded_copy(trainer.model)  # every rank: all-gathers the shards
+            if sharded_only and training_args.should_save:
+                # with SHARDED_STATE_DICT the Trainer's save_model writes nothing: save the gathered model
+                # (config.json with the ALiBi settings, safetensors, remote code), as with FULL_STATE_DICT
+                gathered.save_pretrained(training_args.output_dir)
+                tokenizer.save_pretrained(training_args.output_dir)
         metrics = train_result.metrics
         metrics["train_samples"] = len(train_dataset)
         trainer.log_metrics("train", metrics)
@@ -386,6 +470,9 @@ def main():
                 ids = torch.tensor(list(chain(*tokenized_datasets[split]["input_ids"])), dtype=torch.long)
                 splits[split] = ids[: data_args.max_eval_tokens] if data_args.max_eval_tokens else ids
         model = trainer.accelerator.unwrap_model(trainer.model)
+        if is_fsdp2(model):
+            # each rank scores its own share of the windows: a sharded forward would need every rank in step
+            model = unsharded_copy(model)
         results = evaluate_lengths(
             model, splits, data_args.lengths, data_args.eval_stride, data_args.eval_lengths_batch_size
         )

@@ -1,0 +1,93 @@
+"""Sharded (FSDP) training of ALiBi models: what a training script needs besides accelerate.
+
+* :func:`fsdp_requested_but_not_used`: accelerate 1.15 turns an FSDP config into FSDP only on GPUs (and
+  other accelerators); on CPUs the same launch silently trains with DDP over gloo (``--use_cpu``) or as
+  independent single processes. The message says so, and what to launch instead.
+* :func:`unsharded_copy`: a plain (unsharded) copy of an FSDP2 model on every rank, for work where the
+  ranks run different forwards (the evaluation at many lengths shares its windows between ranks; an
+  FSDP2 forward is a collective that every rank must enter with the same shapes).
+
+The ALiBi layers need nothing from FSDP: the fixed slopes are no parameters (recomputed per device),
+and the learned encoder slopes (``...alibi.slopes_left`` / ``slopes_right``) are ordinary parameters,
+sharded, gathered and saved like any other.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+
+def fsdp_requested() -> bool:
+    """The launcher asked for FSDP (``accelerate launch`` with ``distributed_type: FSDP`` or ``--use_fsdp``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_requested_but_not_used(distributed_type) -> str | None:
+    """Why this process does not run FSDP although the launcher asked for it, or ``None``.
+
+    ``distributed_type`` is accelerate's (``trainer.accelerator.distributed_type`` or
+    ``training_args.distributed_state.distributed_type``).
+    """
+    if not fsdp_requested():
+        return None
+    name = getattr(distributed_type, "value", str(distributed_type))
+    if name == "FSDP":
+        return None
+    world = os.environ.get("WORLD_SIZE", "?")
+    instead = {
+        "MULTI_CPU": "DDP over gloo",
+        "NO": "each process alone, as if it were the only one",
+    }.get(name, name)
+    return (
+        f"accelerate was launched with FSDP, but these {world} processes would train with {instead} "
+        f"(distributed_type {name}): accelerate {_accelerate_version()} turns an FSDP config into FSDP on GPUs "
+        "and other accelerators only, never on CPUs. Launch it on GPUs (without --use_cpu), or train on CPUs "
+        "with DDP: `accelerate launch --multi_gpu --num_processes 2 scripts/run_clm.py --use_cpu ...`."
+    )
+
+
+def _accelerate_version() -> str:
+    try:
+        import accelerate
+
+        return accelerate.__version__
+    except ImportError:  # pragma: no cover
+        return "?"
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of an FSDP2 model, whole, on every rank (a collective: call it on all)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A plain copy of ``model`` (an FSDP2 model, or any model) with the same class, config and weights.
+
+    Collective for FSDP2 models: every rank must call it. The copy lives on the device of the
+    model's parameters and is in eval mode; the original is unchanged.
+    """
+    if not is_fsdp2(model):
+        return model
+    state = full_state_dict(model)
+    base = next(cls for cls in type(model).__mro__ if not _is_fsdp_class(cls))
+    device = next(iter(state.values())).device
+    copy = base(model.config)  # on the CPU, not meta: non-persistent buffers are not in the state dict
+    copy.load_state_dict(state, strict=True)
+    return copy.to(device).eval()
+
+
+def _is_fsdp_class(cls: type) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return issubclass(cls, FSDPModule)

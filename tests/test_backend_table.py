@@ -1,0 +1,99 @@
+"""README's backend table says, per backend, which model types transformers allows it for: it must match
+the ``_supports_*`` flags of every registered architecture's classes, and a converted model set to a
+backend its class refuses must fail clearly and stay usable."""
+
+import re
+
+import pytest
+import torch
+from arch_cases import CASES
+from sharing import REPO_ROOT, output_tensor
+
+import hf_alibi
+from hf_alibi.registry import alibi_classes
+
+# transformers' flag per backend (eager has none: every model has it)
+FLAGS = {
+    "eager": None,
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+}
+
+
+def readme_table() -> dict[str, tuple[set[str], set[str]]]:
+    """backend -> (model types listed as allowed, model types listed after 'not'), from README.md."""
+    text = (REPO_ROOT / "README.md").read_text()
+    start = text.index("| `attn_implementation` | how the bias is applied |")
+    rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
+    table: dict[str, tuple[set[str], set[str]]] = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        backend = re.match(r"`([a-z_0-9]+)`", cells[0]).group(1)
+        allowed, _, refused = cells[-1].partition(";")
+        refused_types = {t.strip() for t in refused.replace("not", "").split(",")} - {""}
+        if allowed.strip() == "every supported type":
+            allowed_types = set(hf_alibi.supported_model_types()) - refused_types
+        else:
+            allowed_types = {t.strip() for t in allowed.split(",")}
+        entry = (allowed_types, refused_types)
+        assert table.setdefault(backend, entry) == entry, f"the rows of {backend} disagree"
+        table[backend] = entry
+    return table
+
+
+def allowed_by_flags(model_type: str, backend: str) -> bool:
+    classes = list(alibi_classes(model_type).values())
+    flag = FLAGS[backend]
+    values = {True if flag is None else bool(getattr(cls, flag)) for cls in classes}
+    assert len(values) == 1, f"{model_type}: its classes disagree on {flag}"
+    return values.pop()
+
+
+def test_readme_backend_table_matches_transformers_flags():
+    table = readme_table()
+    assert sorted(table) == sorted(FLAGS)
+    types = set(hf_alibi.supported_model_types())
+    for backend, (allowed, refused) in table.items():
+        assert allowed | refused == types and not allowed & refused, (backend, allowed, refused)
+        expected = {t for t in types if allowed_by_flags(t, backend)}
+        assert allowed == expected, f"README: {backend} for {sorted(allowed)}, flags: {sorted(expected)}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name == c.model_type], ids=lambda c: c.name)
+def test_readme_table_matches_what_plain_transformers_does(case):
+    """Not the flags: the unpatched model itself, asked for each backend the README lists it under."""
+    allowed_or_refused = {backend: case.model_type in allowed for backend, (allowed, _) in readme_table().items()}
+    for backend in ("eager", "sdpa", "flex_attention", "flash_attention_2"):
+        model = case.make()
+        if allowed_or_refused[backend]:
+            if backend == "flash_attention_2":
+                continue  # accepted or not, it needs the flash-attn package and CUDA to be set
+            model.set_attn_implementation(backend)
+            assert model.config._attn_implementation == backend
+        else:
+            with pytest.raises(ValueError, match="does not support"):
+                model.set_attn_implementation(backend)
+
+
+REFUSED = [
+    (case, backend)
+    for case in CASES
+    for backend in FLAGS
+    if not allowed_by_flags(case.model_type, backend) and case.name == case.model_type
+]
+
+
+@pytest.mark.parametrize("case, backend", REFUSED, ids=[f"{c.name}-{b}" for c, b in REFUSED])
+def test_a_refused_backend_is_a_clear_error_and_the_model_stays_as_it_was(case, backend):
+    model = hf_alibi.patch_model(case.make(), encoder_variant=None if not case.bidirectional else "symmetric")
+    inputs = case.inputs(2, 24)
+    backend_before = model.config._attn_implementation
+    assert backend_before.startswith("alibi_")
+    with torch.no_grad():
+        before = output_tensor(model(**inputs))
+    with pytest.raises(ValueError, match="does not support"):
+        model.set_attn_implementation(backend)
+    assert model.config._attn_implementation == backend_before
+    with torch.no_grad():
+        assert torch.equal(output_tensor(model(**inputs)), before)

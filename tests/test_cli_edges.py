@@ -1,0 +1,168 @@
+"""``hf-alibi convert`` into a place it cannot write, and ``hf-alibi info`` on a learned encoder."""
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from sharing import TINY_BY_TYPE, make_tokenizer
+
+import hf_alibi
+from hf_alibi import cli
+
+
+def run_cli(*argv, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def gpt2_src(tmp_path):
+    src = tmp_path / "src"
+    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
+    make_tokenizer(src)
+    return src
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _one_line_error(err: str, *fragments: str) -> None:
+    """The error is the last line of stderr (progress bars of the model loading may come before it)."""
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    assert last.startswith("hf-alibi: error: ") and err.endswith("\n"), err
+    assert "Traceback" not in err
+    err = last
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_out_inside_a_file(gpt2_src, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("not a folder")
+    before = _tree(tmp_path)
+    for out in (tmp_path / "a_file" / "alibi", tmp_path / "a_file" / "deeper" / "alibi"):
+        code, _, err = run_cli("convert", gpt2_src, out, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, f"is inside the file {str(tmp_path / 'a_file')!r}", "Pick another OUT")
+    assert _tree(tmp_path) == before and (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_out_in_a_place_root_cannot_write(gpt2_src, capsys):
+    """sysfs refuses new folders even to root (EPERM): a real read-only place while the tests run as root."""
+    sys_root = Path("/sys")
+    probe = sys_root / "hf_alibi_probe"
+    if not sys_root.is_dir():
+        pytest.skip("no /sys on this machine")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        pass
+    else:
+        os.rmdir(probe)
+        pytest.skip("/sys is writable here")
+    before = sorted(os.listdir(sys_root))
+    for out in (sys_root / "hf_alibi_out", sys_root / "hf_alibi_new" / "deeper" / "out"):
+        code, _, err = run_cli("convert", gpt2_src, out, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, f"Could not write OUT {str(out)!r}", "Nothing was written", "pick a folder you can write")
+    assert sorted(os.listdir(sys_root)) == before
+
+
+@pytest.mark.parametrize("where", ["staging-folder", "weights", "final-rename"])
+def test_write_failure_leaves_nothing_behind(gpt2_src, tmp_path, capsys, monkeypatch, where):
+    """A read-only or full disk, simulated where each write happens: exit code 2, one line, no folder left."""
+    out = tmp_path / "new" / "deeper" / "alibi"  # two parent folders that convert has to create
+    denied = PermissionError(13, "Permission denied", str(out.parent))
+    if where == "staging-folder":
+
+        def refuse(*args, **kwargs):
+            raise denied
+
+        monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    elif where == "weights":
+        from transformers import modeling_utils
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(modeling_utils, "safe_save_file", disk_full)
+    else:
+        real_rename = Path.rename
+
+        def refuse_rename(self, target):
+            if Path(target) == out:
+                raise denied
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", refuse_rename)
+    before = _tree(tmp_path)
+    code, _, err = run_cli("convert", gpt2_src, out, capsys=capsys)
+    assert code == 2
+    reason = "No space left on device" if where == "weights" else "Permission denied"
+    _one_line_error(err, f"Could not write OUT {str(out)!r}: {reason}", "Nothing was written")
+    assert _tree(tmp_path) == before  # no staging folder, no OUT, not even the parents convert made
+
+
+# ------------------------------------------------------------------------------------------ info, learned
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@pytest.mark.parametrize("model_type", ["bert", "t5"])
+def test_info_prints_the_learned_slopes(model_type, tmp_path, capsys):
+    model = hf_alibi.patch_model(TINY_BY_TYPE[model_type].make(), encoder_variant="learned")
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, hf_alibi.AlibiBias)]
+    learned = [(name, module) for name, module in layers if module.kind == "learned"]
+    assert len(learned) == 2  # two encoder layers (T5's decoder self-attention is causal, fixed)
+    # saved parameters chosen here; what info must print is -sigmoid of each, computed by hand
+    raw = {}
+    for index, (name, module) in enumerate(learned):
+        left = [0.0, 1.0, -1.0, 2.0 + index]
+        right = [-3.0, 0.5 * index, 4.0, -0.25]
+        with torch.no_grad():
+            module.slopes_left.copy_(torch.tensor(left))
+            module.slopes_right.copy_(torch.tensor(right))
+        raw[name.removesuffix(".alibi")] = (left, right)  # keyed by the attention layer
+    model.save_pretrained(tmp_path / "alibi")
+
+    code, stdout, _ = run_cli("info", tmp_path / "alibi", "--json", capsys=capsys)
+    assert code == 0
+    info = json.loads(stdout)
+    assert list(info["learned_slopes"]) == list(raw)  # layer order: 0, 1
+    for name, (left, right) in raw.items():
+        assert info["learned_slopes"][name]["left"] == pytest.approx([-_sigmoid(p) for p in left], abs=1e-7)
+        assert info["learned_slopes"][name]["right"] == pytest.approx([-_sigmoid(p) for p in right], abs=1e-7)
+    assert info["learned_slopes"][next(iter(raw))]["left"][0] == pytest.approx(-0.5)
+
+    code, stdout, _ = run_cli("info", tmp_path / "alibi", capsys=capsys)
+    assert code == 0
+    for name, (left, right) in raw.items():
+        expected_left = ", ".join(f"{-_sigmoid(p):.6g}" for p in left)
+        expected_right = ", ".join(f"{-_sigmoid(p):.6g}" for p in right)
+        assert f"    {name}: {expected_left} | {expected_right}\n" in stdout, stdout
+    fixed = ", ".join(f"{s:.6g}" for s in hf_alibi.get_slopes_list(4))
+    assert f"  slopes: {fixed}" not in stdout  # the formula's slopes are not what these layers use
+    assert "-0.5, -0.731059, -0.268941" in stdout
+
+
+def test_info_learned_without_slopes_in_the_weights_is_an_error(tmp_path, capsys):
+    model = hf_alibi.patch_model(TINY_BY_TYPE["bert"].make(), encoder_variant="learned")
+    model.save_pretrained(tmp_path / "alibi")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "alibi" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "alibi" not in k}, tmp_path / "alibi" / "model.safetensors")
+    code, _, err = run_cli("info", tmp_path / "alibi", capsys=capsys)
+    assert code == 2
+    _one_line_error(err, "its weights hold no learned slopes", "save it again")
