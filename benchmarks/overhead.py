@@ -38,6 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+# this checkout's hf_alibi, not another installed copy (a script's own folder heads sys.path, not the cwd)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
@@ -256,7 +260,7 @@ def main() -> None:
     print(
         f"# torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
         f"{args.attn}, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
-        f"{args.dtype}, median of {args.repeats}, interleaved"
+        f"{args.dtype}, median of {args.repeats}, interleaved; hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
     )
     print(
         "| model | measure | L | ALiBi/unpatched time | memory | extra MB | bias path: time | memory | flex: time "
