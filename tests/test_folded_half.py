@@ -471,3 +471,13 @@ def test_gpu_flex_trains_and_matches_reference(dtype):
     for mine, theirs in zip((q, k, v), leaves):
         scale = theirs.grad.abs().max().item()
         assert (mine.grad.cpu().double() - theirs.grad).abs().max().item() <= (1e-3 if tol < 1e-3 else 3e-2) * scale
+
+
+if __name__ == "__main__":  # the README's accuracy table: python tests/test_folded_half.py
+    print("| L | dtype | fold (row) max / rms | fold (channel) max / rms | bias path max / rms |")
+    print("|---|---|---|---|---|")
+    for length in (1024, 4096, 16384, 32768):
+        for dtype in (torch.bfloat16, torch.float16):
+            found = accuracy(length, dtype)
+            cells = " | ".join(f"{found[k][0]:.2e} / {found[k][1]:.2e}" for k in ("row", "channel", "bias"))
+            print(f"| {length} | {str(dtype).removeprefix('torch.')} | {cells} |", flush=True)
