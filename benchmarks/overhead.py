@@ -22,6 +22,7 @@ the OS at once and the resident set follows the live tensors (Linux only).
     python benchmarks/overhead.py                 # the README's table (a few minutes on 2 cores)
     python benchmarks/overhead.py --lengths 512 --repeats 3 --types gpt2
     python benchmarks/overhead.py --types gpt2 --dtype bf16 --lengths 512 1024 2048 4096 --forward-length 8192
+    python benchmarks/overhead.py --constructions --layers 6 --width 384 --heads 6 --batch 2 --threads 2
 """
 
 from __future__ import annotations
@@ -226,6 +227,44 @@ def run_type(model_type: str, args) -> list[str]:
     return rows
 
 
+def compare_constructions(args) -> None:
+    """GPT-2 train step: the fold's "row" construction (the automatic one on CPU) and its "channel"
+    construction (the fold before the row existed), each / the unpatched model, interleaved."""
+    import hf_alibi.attention as attention
+
+    automatic = attention.fold_construction
+    max_len = max(args.lengths)
+    models = {
+        "plain": build_gpt2(False, max_len, args).model,
+        "row": build_gpt2(True, max_len, args).model,
+        "channel": build_gpt2(True, max_len, args).model,
+    }
+
+    def step(name, model, batch):
+        attention.fold_construction = (lambda *a, **k: attention.CHANNEL) if name == "channel" else automatic
+        try:
+            return train_step(model, batch)[0]
+        finally:
+            attention.fold_construction = automatic
+
+    print("| L | row / unpatched | channel / unpatched | unpatched |")
+    print("|---|---|---|---|")
+    for length in args.lengths:
+        batch = _lm_batch(length, args)
+        for name, model in models.items():  # warm-up
+            step(name, model, batch)
+        times = {name: [] for name in models}
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                times[name].append(step(name, model, batch))
+        t = {k: median(v) for k, v in times.items()}
+        print(
+            f"| {length} | {t['row'] / t['plain']:.3f} | {t['channel'] / t['plain']:.3f} | "
+            f"{t['plain'] * 1000:.0f} ms |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every registered one with a builder)")
@@ -243,6 +282,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="1: robust on a shared machine")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     parser.add_argument("--no-flex", dest="flex", action="store_false", help="skip the flex_attention column")
+    parser.add_argument(
+        "--constructions", action="store_true", help="GPT-2 only: the fold's row vs channel construction"
+    )
     args = parser.parse_args()
     global _ARGS
     _ARGS = args
@@ -262,6 +304,9 @@ def main() -> None:
         f"{args.attn}, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
         f"{args.dtype}, median of {args.repeats}, interleaved; hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
     )
+    if args.constructions:
+        compare_constructions(args)
+        return
     print(
         "| model | measure | L | ALiBi/unpatched time | memory | extra MB | bias path: time | memory | flex: time "
         "| unpatched |"
