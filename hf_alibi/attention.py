@@ -257,6 +257,7 @@ FP16_CHANNEL_LIMIT = 2.0**14
 # the head size fast kernels accept (CUDA flash / memory-efficient: a multiple of 8)
 HEAD_MULTIPLE = 8
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_GQA = torch.__version__ >= "2.5"  # grouped KV heads in that kernel (forward and backward)
 
 
 def _half_accumulates_in_fp32() -> bool:
@@ -380,7 +381,7 @@ def folded_causal_attention(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     kv_len = key.shape[2]
     if construction == ROW:
-        if key.shape[1] != heads:
+        if key.shape[1] != heads and not _CPU_FLASH_GQA:  # torch >= 2.5 shares KV heads in the kernel itself
             key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
         exact = torch.promote_types(query.dtype, torch.float32)
         positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2

@@ -237,6 +237,14 @@ def test_grouped_kv_heads(construction, dtype):
     kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))  # query heads 0, 1 share KV head 0
     ref = reference_rows(q, kk, vv, torch.arange(200), D**-0.5)
     assert errors(out, ref)[0] <= (1e-5 if dtype == torch.float32 else 2.0**-8)
+    if dtype == torch.float32:  # the shared K/V heads get the gradients of both their query heads
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        folded(*leaves, construction=construction).square().sum().backward()
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        kk, vv = (t.repeat_interleave(2, dim=1) for t in ref_leaves[1:])
+        reference_rows(ref_leaves[0], kk, vv, torch.arange(200), D**-0.5).square().sum().backward()
+        for mine, theirs in zip(leaves, ref_leaves):
+            torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=0, atol=1e-4 * theirs.grad.abs().max())
 
 
 @pytest.mark.parametrize("construction", ["row", "channel"])
