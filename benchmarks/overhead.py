@@ -6,7 +6,10 @@ attention implementation, the unpatched model with its own position path, e.g. G
 then forward-only time at 4096 and cached generation tokens/s. Models are timed interleaved
 (ALiBi, unpatched, ALiBi, ...) and each figure is the median of ``--repeats`` runs, so load from
 other processes hits both sides alike. The "bias" column is the ALiBi model forced onto the
-bias-tensor path (``HF_ALIBI_PATH=bias``), to show what the automatic choice saves.
+bias-tensor path (``HF_ALIBI_PATH=bias``), to show what the automatic choice saves. The "flex"
+column is the ALiBi model on ``flex_attention`` (forward only: torch has no FlexAttention backward on
+CPU, and its CPU kernel is the unfused one). ``--dtype bf16`` / ``fp16`` casts every model (weights
+and activations) to that dtype: the automatic path is then the half-precision fold.
 
 Threads: 1 by default. On a machine shared with other jobs, two OpenMP threads wait on each other
 at every op (steps ran 3 to 6 times slower and ratios moved by +-30%); one thread does not.
@@ -18,6 +21,8 @@ the OS at once and the resident set follows the live tensors (Linux only).
 
     python benchmarks/overhead.py                 # the README's table (a few minutes on 2 cores)
     python benchmarks/overhead.py --lengths 512 --repeats 3 --types gpt2
+    python benchmarks/overhead.py --types gpt2 --dtype bf16 --lengths 512 1024 2048 4096 --forward-length 8192
+    python benchmarks/overhead.py --constructions --layers 6 --width 384 --heads 6 --batch 2 --threads 2
 """
 
 from __future__ import annotations
@@ -28,10 +33,15 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# this checkout's hf_alibi, not another installed copy (a script's own folder heads sys.path, not the cwd)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -90,12 +100,18 @@ def _lm_batch(length: int, args) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _convert(model, alibi: bool, **options):
     if alibi:
         import hf_alibi
 
         hf_alibi.patch_model(model, **options)
-    return model.train()
+    return model.to(DTYPES[_ARGS.dtype]).train()
+
+
+_ARGS = argparse.Namespace(dtype="fp32")  # main() replaces it with the parsed arguments
 
 
 # model_type -> builder(alibi, max_len, args). A new architecture needs one entry here.
@@ -163,7 +179,12 @@ def run_type(model_type: str, args) -> list[str]:
     bias = builder(True, max_len, args)
     hf_alibi.set_attention_path(bias.model, "bias")
     models = {"alibi": alibi.model, "plain": plain.model, "bias": bias.model}
+    flex = None
+    if args.flex and args.attn == "sdpa":
+        flex = builder(True, max_len, args).model
+        flex.config._attn_implementation_internal = "flex_attention"  # dispatches to hf_alibi's flex function
     rows = []
+    flex_train = "no CPU backward" if flex is not None else "n/a"
     for length in args.lengths:
         batch = alibi.batch(length)
         interleave(lambda m, b=batch: train_step(m, b), models, 1)  # warm-up
@@ -173,19 +194,23 @@ def run_type(model_type: str, args) -> list[str]:
         rows.append(
             f"| {model_type} | train fwd+bwd | {length} | {t['alibi'] / t['plain']:.3f} | "
             f"{mem['alibi'] / mem['plain']:.3f} | {mem['alibi'] - mem['plain']:+.0f} | "
-            f"{t['bias'] / t['plain']:.3f} | {mem['bias'] / mem['plain']:.3f} | "
+            f"{t['bias'] / t['plain']:.3f} | {mem['bias'] / mem['plain']:.3f} | {flex_train} | "
             f"{t['plain'] * 1000:.0f} ms, {mem['plain']:.0f} MB |"
         )
         print(rows[-1], flush=True)
     for model in models.values():
         model.eval()
+    forward_models = dict(models)
+    if flex is not None:
+        forward_models["flex"] = flex.eval()
     ids = _ids(1, args.forward_length, args.vocab)
-    interleave(lambda m: forward_time(m, ids), models, 1)
-    res = interleave(lambda m: forward_time(m, ids), models, args.repeats)
+    interleave(lambda m: forward_time(m, ids), forward_models, 1)
+    res = interleave(lambda m: forward_time(m, ids), forward_models, args.repeats)
     t = {k: median(v) for k, v in res.items()}
+    flex_column = f"{t['plain'] / t['flex']:.3f}" if "flex" in t else "n/a"
     rows.append(
         f"| {model_type} | forward, throughput | {args.forward_length} | {t['plain'] / t['alibi']:.3f} | | | "
-        f"{t['plain'] / t['bias']:.3f} | | {t['plain'] * 1000:.0f} ms |"
+        f"{t['plain'] / t['bias']:.3f} | | {flex_column} | {t['plain'] * 1000:.0f} ms |"
     )
     print(rows[-1], flush=True)
     if alibi.generates:
@@ -196,10 +221,48 @@ def run_type(model_type: str, args) -> list[str]:
         rows.append(
             f"| {model_type} | generate, tokens/s | {args.prompt}+{args.new_tokens} | "
             f"{r['alibi'] / r['plain']:.3f} | | | "
-            f"{r['bias'] / r['plain']:.3f} | | {r['plain']:.0f} tok/s |"
+            f"{r['bias'] / r['plain']:.3f} | | | {r['plain']:.0f} tok/s |"
         )
         print(rows[-1], flush=True)
     return rows
+
+
+def compare_constructions(args) -> None:
+    """GPT-2 train step: the fold's "row" construction (the automatic one on CPU) and its "channel"
+    construction (the fold before the row existed), each / the unpatched model, interleaved."""
+    import hf_alibi.core.folded as attention
+
+    automatic = attention.fold_construction
+    max_len = max(args.lengths)
+    models = {
+        "plain": build_gpt2(False, max_len, args).model,
+        "row": build_gpt2(True, max_len, args).model,
+        "channel": build_gpt2(True, max_len, args).model,
+    }
+
+    def step(name, model, batch):
+        attention.fold_construction = (lambda *a, **k: attention.CHANNEL) if name == "channel" else automatic
+        try:
+            return train_step(model, batch)[0]
+        finally:
+            attention.fold_construction = automatic
+
+    print("| L | row / unpatched | channel / unpatched | unpatched |")
+    print("|---|---|---|---|")
+    for length in args.lengths:
+        batch = _lm_batch(length, args)
+        for name, model in models.items():  # warm-up
+            step(name, model, batch)
+        times = {name: [] for name in models}
+        for _ in range(args.repeats):
+            for name, model in models.items():
+                times[name].append(step(name, model, batch))
+        t = {k: median(v) for k, v in times.items()}
+        print(
+            f"| {length} | {t['row'] / t['plain']:.3f} | {t['channel'] / t['plain']:.3f} | "
+            f"{t['plain'] * 1000:.0f} ms |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -217,11 +280,19 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="1: robust on a shared machine")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
+    parser.add_argument("--no-flex", dest="flex", action="store_false", help="skip the flex_attention column")
+    parser.add_argument(
+        "--constructions", action="store_true", help="GPT-2 only: the fold's row vs channel construction"
+    )
     args = parser.parse_args()
+    global _ARGS
+    _ARGS = args
 
     if os.environ.get(MMAP_ENV) is None and sys.platform.startswith("linux"):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_ENV: "65536"})
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     import transformers
 
     import hf_alibi
@@ -231,16 +302,22 @@ def main() -> None:
     print(
         f"# torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
         f"{args.attn}, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
-        f"median of {args.repeats}"
+        f"{args.dtype}, median of {args.repeats}, interleaved; hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
     )
-    print("| model | measure | L | ALiBi/unpatched time | memory | extra MB | bias path: time | memory | unpatched |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.constructions:
+        compare_constructions(args)
+        return
+    print(
+        "| model | measure | L | ALiBi/unpatched time | memory | extra MB | bias path: time | memory | flex: time "
+        "| unpatched |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model_type in types:
         if model_type not in BUILDERS:
-            print(f"| {model_type} | no builder in benchmarks/overhead.py BUILDERS: skipped | | | | | | | |")
+            print(f"| {model_type} | no builder in benchmarks/overhead.py BUILDERS: skipped | | | | | | | | |")
             continue
         if model_type not in registered:
-            print(f"| {model_type} | not registered with hf_alibi: skipped | | | | | | | |")
+            print(f"| {model_type} | not registered with hf_alibi: skipped | | | | | | | | |")
             continue
         run_type(model_type, args)
 

@@ -157,7 +157,8 @@ def test_causal_paths_match_reference_fp32(backend, path, length, pad):
 def test_causal_half_precision_matches_reference(backend, dtype, length):
     for q_len, kv_len in shapes(length):
         layer = check_against_reference(backend, "causal", "auto", q_len, kv_len, dtype, pad=True, grads=length < 1000)
-        assert layer.alibi.last_path == BIAS  # the folded channel is fp32-only
+        folds = backend == "sdpa" and q_len >= FOLD_MIN_QUERIES  # the half-precision fold (test_folded_half.py)
+        assert layer.alibi.last_path == (FOLDED if folds else BIAS)
 
 
 @pytest.mark.parametrize("kind", ["symmetric", "nonsymmetric", "learned"])
@@ -220,8 +221,8 @@ def test_auto_picks_folded_where_exact_and_bias_elsewhere(monkeypatch):
         ("causal", "sdpa", torch.float32, None, FOLDED),
         ("causal", "sdpa", torch.float32, bool_mask, FOLDED),  # padding: a mask SDPA handles as it is
         ("causal", "sdpa", torch.float64, None, FOLDED),
-        ("causal", "sdpa", torch.bfloat16, None, BIAS),  # the channel would lose precision
-        ("causal", "sdpa", torch.float16, bool_mask, BIAS),
+        ("causal", "sdpa", torch.bfloat16, None, FOLDED),  # half precision: see test_folded_half.py
+        ("causal", "sdpa", torch.float16, bool_mask, FOLDED),
         ("causal", "eager", torch.float32, None, BIAS),  # eager builds the scores anyway
         ("symmetric", "sdpa", torch.float32, None, BIAS),  # the fold is causal-only
         ("learned", "sdpa", torch.float32, None, BIAS),
@@ -248,8 +249,13 @@ def test_forcing_folded_where_it_is_wrong_raises():
     for kind, dtype in [("causal", torch.bfloat16), ("symmetric", torch.float32)]:
         layer = Layer(kind, path=FOLDED)
         q, k, v, _ = make_inputs(4, 4, dtype, pad=False)
-        with pytest.raises(ValueError, match="folded ALiBi path was forced but cannot run"):
-            run("sdpa", layer, q, k, v, None, 0.25)
+        allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)  # scores rounded to bf16: no fold
+        try:
+            with pytest.raises(ValueError, match="folded ALiBi path was forced but cannot run"):
+                run("sdpa", layer, q, k, v, None, 0.25)
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
     with pytest.raises(ValueError, match="path must be one of"):
         AlibiBias("causal", 4, path="fast")
 

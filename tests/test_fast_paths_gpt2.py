@@ -92,14 +92,14 @@ def test_static_cache_generation_equals_dynamic(path):
     assert torch.equal(dynamic, static)
 
 
-def test_bf16_model_takes_bias_path_and_stays_close():
+def test_bf16_model_takes_folded_path_and_stays_close():
     model = hf_alibi.patch_model(tiny_gpt2())
     ids = random_ids(1, 64)
     with torch.no_grad():
         reference = gpt2_reference_logits(model, ids)
         model.to(torch.bfloat16)
         logits = model(ids).logits.float()
-    assert paths(model) == {BIAS}
+    assert paths(model) == {FOLDED}  # the half-precision fold (tests/test_folded_half.py)
     assert (logits - reference).abs().max() <= 2e-2 * reference.abs().max() + 0.05
 
 

@@ -90,6 +90,19 @@ def compiled_flex_attention(training: bool):
     return WrappedFlexAttention(training)()
 
 
+def cpu_flash_attention():
+    """torch's CPU flash-attention op (``aten._scaled_dot_product_flash_attention_for_cpu``, private;
+    checked on torch 2.4 to 2.13), which takes ``is_causal`` and a broadcast float mask at once, or
+    ``None`` where this torch has none. Returns ``(output (B, H, q, D), logsumexp)``."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def cpu_flash_attention_shares_kv_heads() -> bool:
+    """Whether that op takes fewer key/value heads than query heads (grouped KV) itself: torch >= 2.5."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
 def is_exporting() -> bool:
     """True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3)."""
     return torch.compiler.is_compiling()
@@ -100,6 +113,8 @@ __all__ = [
     "auto_class_names",
     "base_mask_function",
     "compiled_flex_attention",
+    "cpu_flash_attention",
+    "cpu_flash_attention_shares_kv_heads",
     "drop_config_validators",
     "flash_padding_helpers",
     "is_exporting",

@@ -1,20 +1,54 @@
-"""The folded path: the causal bias as one more q/k channel, SDPA's causal kernel, no L x L tensor."""
+"""The folded path: the causal bias without an L x L tensor, in SDPA's causal kernel, any float dtype.
+
+Two constructions of the same thing (see :func:`folded_causal_attention`):
+
+* "row": on CPU, the causal kernel itself adds a (1, H, 1, kv) fp32 row ``m_h (j - c)`` to the fp32
+  scores (torch's CPU flash kernel takes ``is_causal`` and a broadcast mask at once): head size and
+  q, k, v untouched, no copies; fp32, fp64, bf16 and fp16 alike.
+* "channel": any SDPA kernel: q gets channels of 1, k the bias as channels (fp32: one channel; bf16 /
+  fp16: three half-precision parts whose sum is the fp32 channel), head size padded to a multiple of 8.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .compat import repeat_kv
+from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
 from .slopes import CAUSAL
+
+ROW, CHANNEL = "row", "channel"
+FOLD_CONSTRUCTIONS = (ROW, CHANNEL)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# half-precision parts of the channel: 3 x 8 bits (bf16) or 3 x 11 bits (fp16) >= fp32's 24 bits
+HALF_PARTS = 3
+# fp16's largest finite value is 65504: the key channel is kept at or below 2^14 by moving a power of
+# two onto the query channels (products of a power of two stay exact).
+FP16_CHANNEL_LIMIT = 2.0**14
+# the head size fast kernels accept (CUDA flash / memory-efficient: a multiple of 8)
+HEAD_MULTIPLE = 8
+_CPU_FLASH = cpu_flash_attention()
+_CPU_FLASH_GQA = cpu_flash_attention_shares_kv_heads()
+
+
+def _half_accumulates_in_fp32() -> bool:
+    """SDPA's kernels accumulate q.k of bf16/fp16 inputs in fp32, unless the user let the math
+    backend reduce in half precision (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``)."""
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    return allowed is None or not allowed()
 
 
 def folded_unavailable(alibi, query: torch.Tensor, attention_mask, kwargs: dict) -> str | None:
     """Why the folded path cannot run this call exactly, or ``None`` when it can."""
     if alibi.kind != CAUSAL:
         return f"the {alibi.kind!r} bias is not causal (the fold needs softmax to ignore a per-query constant)"
-    if query.dtype not in (torch.float32, torch.float64):
-        return f"{query.dtype} cannot hold the folded channel (it grows with position): only float32/float64"
+    if query.dtype not in (torch.float32, torch.float64, *HALF_DTYPES):
+        return f"{query.dtype} is not a float dtype the fold knows (float32, float64, bfloat16, float16)"
+    if query.dtype in HALF_DTYPES:
+        if query.device.type not in ("cpu", "cuda"):
+            return f"half-precision attention on {query.device.type!r} is not known to accumulate q.k in fp32"
+        if not _half_accumulates_in_fp32():
+            return "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True) lets SDPA round scores to half"
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
     if kwargs.get("position_bias") is not None:
@@ -26,6 +60,41 @@ def folded_unavailable(alibi, query: torch.Tensor, attention_mask, kwargs: dict)
     return None
 
 
+def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0) -> str:
+    """``"row"`` where torch's CPU flash kernel can add the bias row itself (CPU, no mask from
+    transformers, no dropout: that kernel has none), else ``"channel"``."""
+    if query.device.type == "cpu" and attention_mask is None and dropout == 0.0 and _CPU_FLASH is not None:
+        return ROW
+    return CHANNEL
+
+
+def _fold_channels(
+    slopes: torch.Tensor, kv_len: int, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, float]:
+    """The key channels ``(H, kv, n)`` in ``dtype`` and the query channels' value (a power of two).
+
+    fp32 / fp64: one channel ``m_h (j - c) / scaling``, computed in fp32 / fp64. bf16 / fp16: that
+    fp32 value ``x`` (divided by ``2^e`` for fp16's range) in three parts ``hi = half(x)``,
+    ``mid = half(x - hi)``, ``lo = half(x - hi - mid)`` (each subtraction exact in fp32).
+    """
+    exact = torch.promote_types(dtype, torch.float32)  # fp32 slopes, fp64 stays fp64
+    positions = torch.arange(kv_len, device=slopes.device, dtype=exact) - (kv_len - 1) / 2
+    channel = slopes.to(exact)[:, None] * positions / scaling  # (H, kv)
+    if dtype not in HALF_DTYPES:
+        return channel.to(dtype)[..., None], 1.0
+    power = 1.0
+    if dtype == torch.float16:  # ALiBi slopes are <= 1: |channel| <= (kv - 1) / 2 / scaling
+        while (kv_len - 1) / 2 / scaling / power > FP16_CHANNEL_LIMIT:
+            power *= 2.0
+        channel = channel / power  # exact: a power of two
+    parts, rest = [], channel
+    for _ in range(HALF_PARTS):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.to(exact)
+    return torch.stack(parts, dim=-1), power
+
+
 def folded_causal_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -35,36 +104,85 @@ def folded_causal_attention(
     slopes: torch.Tensor,
     dropout: float = 0.0,
     scaling: float | None = None,
+    construction: str | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Causal ALiBi through SDPA's causal kernel, with the bias folded into q and k.
+    """Causal ALiBi through SDPA's causal kernel with no L x L tensor, in fp32, fp64, bf16 or fp16.
 
-    The causal bias ``-m_h (i - j)`` equals ``m_h j`` up to a per-query constant, which softmax
-    ignores. So q gets a channel of 1 and k a channel ``m_h (j - c) / scaling`` (``c`` centres the
-    positions to halve the channel's size, hence its fp32 rounding): ``q' k'^T * scaling`` is
-    ``q k^T * scaling + m_h j - m_h c``. v gets a zero channel (SDPA wants equal head sizes) and the
-    output drops it. Shapes ``(B, H, L, D)``; returns ``(B, q, H, D)`` like transformers' backends.
+    The causal bias ``-m_h (i - j)`` equals ``b_j = m_h (j - c)`` up to a per-query constant, which
+    softmax ignores (``c = (kv - 1) / 2`` centres the positions to halve ``|b|``, hence its rounding).
+    ``construction`` (default: :func:`fold_construction`) says how ``b`` reaches the scores:
 
-    transformers' mask is used as it is: ``None`` (pure causal: SDPA's ``is_causal``, with the keys
-    cut to the queries exactly as transformers' sdpa does, whose ``None`` means top-left alignment)
-    or a boolean / additive mask that already holds causality and padding for any cache offset.
+    ``"row"`` (CPU): torch's CPU flash kernel runs with ``is_causal`` and ``b`` as a ``(1, H, 1, kv)``
+    fp32 mask row, broadcast over queries, added to its fp32 scores. q, k, v and the head size are
+    untouched. Error: the fp32 rounding of ``b`` and of the sum, at most ``2u |b|`` per score
+    (``u = 2^-24``) beyond the kernel's own; ``|b| <= m_h (kv - 1) / 2``.
+
+    ``"channel"`` (any device, any SDPA kernel): q gets channels of ``2^e`` and k channels whose sum
+    is ``x_j = b_j / scaling / 2^e``; SDPA's ``q' k'^T * scaling`` is ``q k^T * scaling + b_j``. v is
+    padded with zeros and the output drops them; the head size is padded to a multiple of 8 (the
+    fast kernels' requirement). fp32 / fp64: one channel ``x`` (``e = 0``). bf16 / fp16: ``x`` in
+    fp32 split into three parts ``hi = half(x)``, ``mid = half(x - hi)``, ``lo = half(x - hi - mid)``;
+    ``e > 0`` only for fp16, so that ``|x| <= 2^14`` (fp16 ends at 65504).
+
+    Error bound of the half-precision channel (``u = 2^-24``, ``p`` = 8 bits for bf16, 11 for fp16):
+    ``x`` is ``b / scaling / 2^e`` rounded once to fp32 (``<= u |x|``); each part leaves a remainder at
+    most ``2^-p`` of the last, so ``|x - hi - mid - lo| <= 2^-3p |x|``, which is ``<= u |x|`` for bf16
+    and ``2^-33 |x|`` for fp16 (plus fp16's subnormal step ``2^-25``); each part times ``2^e`` is
+    exact in fp32, and the kernels accumulate ``q.k`` in fp32 (SDPA's math backend too, unless
+    ``allow_fp16_bf16_reduction_math_sdp`` is set, which ``folded_unavailable`` refuses). So the bias
+    reaching a score is ``b_j`` within ``2u |b_j|`` plus the kernel's fp32 rounding of a sum of
+    magnitude ``|q.k| * scaling + |b_j|`` (at most ``(D' + 3) u`` of that, ``D'`` the padded head
+    size; a few ``u`` in practice). A score error ``d`` moves the output by at most ``2 d max|v|``.
+    With ``|b| <= m_h (kv - 1) / 2``: for m = 0.5 at 32k keys, ``|b| <= 8192`` and ``u |b| = 5e-4``,
+    below bf16's own rounding of q, k, v and the probabilities (``2^-8 = 4e-3``); fp16's
+    (``2^-11 = 5e-4``) is of the same size there.
+
+    transformers' mask is used as it is: ``None`` (pure causal: ``is_causal``, with the keys cut to
+    the queries exactly as transformers' sdpa does, whose ``None`` means top-left alignment) or a
+    boolean / additive mask that already holds causality and padding for any cache offset.
+    Shapes ``(B, H, L, D)``; returns ``(B, q, H, D)`` like transformers' backends.
     """
     batch, heads, q_len, head_dim = query.shape
-    if key.shape[1] != heads:  # grouped KV heads: the channel differs per query head
-        key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
     if scaling is None:
         scaling = head_dim**-0.5
+    if construction is None:
+        construction = fold_construction(query, attention_mask, dropout)
+    if construction not in FOLD_CONSTRUCTIONS:
+        raise ValueError(f"fold construction must be one of {FOLD_CONSTRUCTIONS}, got {construction!r}")
     is_causal = attention_mask is None and q_len > 1
     if is_causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     kv_len = key.shape[2]
-    exact = torch.promote_types(query.dtype, torch.float32)  # fp32 slopes, fp64 stays fp64
-    positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2
-    channel = (slopes.to(exact)[:, None] * positions / scaling).to(query.dtype)  # (H, kv)
-    one = query.new_ones(()).expand(batch, heads, q_len, 1)
-    query = torch.cat([query, one], dim=-1)  # (B, H, q, D + 1)
-    key = torch.cat([key, channel[None, :, :, None].expand(batch, heads, kv_len, 1)], dim=-1)
-    value = nn.functional.pad(value, (0, 1))
+    if construction == ROW:
+        if key.shape[1] != heads and not _CPU_FLASH_GQA:  # torch >= 2.5 shares KV heads in the kernel itself
+            key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
+        exact = torch.promote_types(query.dtype, torch.float32)
+        positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2
+        row = (slopes.to(exact)[:, None] * positions).view(1, heads, 1, kv_len)  # fp32 (fp64 for fp64)
+        if attention_mask is not None:  # not the default choice (an L x L merge), but correct
+            if attention_mask.dtype == torch.bool:
+                row = torch.where(attention_mask, row, -float("inf"))
+            else:
+                row = row + attention_mask.to(exact)
+        output, _ = _CPU_FLASH(query, key, value, dropout, is_causal, attn_mask=row, scale=scaling)
+        return output.transpose(1, 2).contiguous(), None
+    if key.shape[1] != heads:  # grouped KV heads: the channel differs per query head
+        key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
+    channels, power = _fold_channels(slopes, kv_len, scaling, query.dtype)  # (H, kv, n)
+    n = channels.shape[-1]
+    padded = head_dim + n
+    if query.dtype in HALF_DTYPES or query.device.type != "cpu":
+        padded = -(-padded // HEAD_MULTIPLE) * HEAD_MULTIPLE
+    zeros = padded - head_dim - n
+    q_extra = [query.new_full((), power).expand(batch, heads, q_len, n)]
+    k_extra = [channels[None].expand(batch, heads, kv_len, n)]
+    if zeros:
+        q_extra.append(query.new_zeros(()).expand(batch, heads, q_len, zeros))
+        k_extra.append(key.new_zeros(()).expand(batch, heads, kv_len, zeros))
+    query = torch.cat([query, *q_extra], dim=-1)  # (B, H, q, D')
+    key = torch.cat([key, *k_extra], dim=-1)
+    value = nn.functional.pad(value, (0, padded - head_dim))
     output = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
-    )  # (B, H, q, D + 1)
+    )  # (B, H, q, D')
     return output[..., :head_dim].transpose(1, 2).contiguous(), None

@@ -1,0 +1,278 @@
+"""What ALiBi costs on a CUDA GPU in bf16: every hf_alibi path against the unpatched model, one table.
+
+    python benchmarks/gpu.py                        # GPT-2 (and Llama when hf_alibi converts it), L = 1k..16k
+    python benchmarks/gpu.py --lengths 1024 4096 --repeats 3 --no-main-job
+
+For each model (a GPT-2 of 12 layers, width 768, 12 heads; a Llama of the same size with 4 KV heads,
+included when ``"llama" in hf_alibi.supported_model_types()``), all in bf16 (weights and
+activations), and each L: one training step (forward + backward, no optimizer) time, its peak
+``torch.cuda.max_memory_allocated`` above the memory held before the step, and cached generation
+tokens/s (a prompt of L tokens, ``--new-tokens`` greedy tokens), for these arms:
+
+- ``unpatched``: the stock model on ``sdpa`` (GPT-2 keeps ``wpe``, Llama its rotary embedding);
+- ``folded``: the ALiBi model on ``sdpa``, automatic path (the half-precision fold: no L x L tensor);
+- ``bias``: the same forced onto the bias tensor (``set_attention_path(model, "bias")``);
+- ``flex``: the ALiBi model on ``flex_attention`` (``score_mod``, compiled by transformers);
+- ``flash``: the ALiBi model on ``flash_attention_2`` (flash-attn's ``alibi_slopes``), if installed.
+
+Arms are timed interleaved (one step of each, repeated), each figure the median of ``--repeats``,
+after ``--warmup`` steps (flex compiles there). Ratios are arm / unpatched (time and memory: lower is
+better; tokens/s: higher is better). An arm that runs out of memory or fails prints its error in the
+table instead of figures. ``path`` is what the ALiBi layers recorded (``AlibiBias.last_path``).
+
+Then the main job (``scripts/run_clm.py``, the README's command) with ``--bf16`` on the GPU instead of
+``--use_cpu``: its wall-clock time and its perplexity ratios at 2x / 4x / 8x the training length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's hf_alibi, not another installed copy
+ARMS = ("unpatched", "folded", "bias", "flex", "flash")
+
+
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_gpt2(max_len: int, args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=max_len, vocab_size=args.vocab,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def build_llama(max_len: int, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 3),
+        hidden_size=args.width, intermediate_size=int(8 / 3 * args.width) // 64 * 64, vocab_size=args.vocab,
+        max_position_embeddings=max_len, attention_dropout=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "llama": build_llama}
+
+
+def make_arm(arm: str, builder: Callable, max_len: int, args):
+    """The model of one arm on the GPU in bf16, or a string saying why it cannot run."""
+    import hf_alibi
+
+    model = builder(max_len, args)
+    if arm != "unpatched":
+        hf_alibi.patch_model(model)
+    if arm == "bias":
+        hf_alibi.set_attention_path(model, "bias")
+    elif arm == "flex":
+        # hf_alibi registers its FlexAttention function; models off transformers' flex list dispatch too
+        model.config._attn_implementation_internal = "flex_attention"
+    elif arm == "flash":
+        if not _flash_attn_installed():
+            return "flash-attn not installed"
+        try:
+            model.set_attn_implementation("flash_attention_2")
+        except (ValueError, ImportError):  # a model transformers has not marked for flash: dispatch anyway
+            model.config._attn_implementation_internal = "flash_attention_2"
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+def ids(batch: int, length: int, vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length)).cuda()
+
+
+def paths(model) -> str:
+    from hf_alibi.core.bias import AlibiBias
+
+    found = {m.last_path for m in model.modules() if isinstance(m, AlibiBias)}
+    return ",".join(sorted(str(p) for p in found)) if found else "-"
+
+
+def train_step(model, batch: torch.Tensor) -> tuple[float, float]:
+    """(ms, peak MB above what was allocated before the step) of one forward + backward."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    model(input_ids=batch, labels=batch).loss.backward()
+    end.record()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    model.zero_grad(set_to_none=True)
+    return start.elapsed_time(end), peak
+
+
+def generate_rate(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    model.eval()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    torch.cuda.synchronize()
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return new_tokens / (time.perf_counter() - start)
+
+
+def measure(models: dict, fn: Callable, warmup: int, repeats: int) -> dict:
+    """Interleaved: one call per arm, ``repeats`` times; each arm's median, or its error."""
+    results: dict = {name: [] for name in models}
+    for round_ in range(warmup + repeats):
+        for name, model in models.items():
+            if isinstance(results[name], str):
+                continue
+            try:
+                value = fn(model)
+            except torch.cuda.OutOfMemoryError:
+                results[name] = "OOM"
+                torch.cuda.empty_cache()
+                continue
+            except Exception as error:  # one failing arm must not end the table
+                results[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:60]}"
+                continue
+            if round_ >= warmup:
+                results[name].append(value)
+    out = {}
+    for name, values in results.items():
+        if isinstance(values, str):
+            out[name] = values
+        elif isinstance(values[0], tuple):
+            out[name] = tuple(statistics.median(v) for v in zip(*values))
+        else:
+            out[name] = statistics.median(values)
+    return out
+
+
+def run_model(model_type: str, args) -> None:
+    builder = BUILDERS[model_type]
+    max_len = max(args.lengths) + args.new_tokens
+    models, skipped = {}, {}
+    for arm in args.arms:
+        made = make_arm(arm, builder, max_len, args)
+        (skipped if isinstance(made, str) else models)[arm] = made
+    for arm, why in skipped.items():
+        print(f"| {model_type} | all | {arm} | {why} | | | | | | |", flush=True)
+    for length in args.lengths:
+        batch = ids(args.batch, length, args.vocab)
+        train = measure(models, lambda m, b=batch: train_step(m, b), args.warmup, args.repeats)
+        step_paths = {name: paths(model) for name, model in models.items()}
+        prompt = ids(1, length, args.vocab)
+        gen = measure(models, lambda m, p=prompt: generate_rate(m, p, args.new_tokens), 1, args.gen_repeats)
+        base_t = train.get("unpatched")
+        base_g = gen.get("unpatched")
+        for arm in models:
+            t, g = train[arm], gen[arm]
+            if isinstance(t, str):
+                time_cells = f"{t} | | | "
+            else:
+                ratio = f"{t[0] / base_t[0]:.3f}" if isinstance(base_t, tuple) else "n/a"
+                mem = f"{t[1] / base_t[1]:.3f}" if isinstance(base_t, tuple) else "n/a"
+                time_cells = f"{t[0]:.1f} | {ratio} | {t[1]:.0f} | {mem}"
+            if isinstance(g, str):
+                gen_cells = f"{g} | "
+            else:
+                gen_cells = f"{g:.1f} | " + (f"{g / base_g:.3f}" if isinstance(base_g, float) else "n/a")
+            print(f"| {model_type} | {length} | {arm} | {time_cells} | {gen_cells} | {step_paths[arm]} |", flush=True)
+    del models
+    torch.cuda.empty_cache()
+
+
+def main_job(args) -> None:
+    """The README's main job with --bf16 on the GPU: wall-clock and perplexity ratios."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable, os.path.join(ROOT, "scripts", "run_clm.py"), "--model_type", "gpt2", "--alibi",
+            "--config_overrides", "n_layer=4,n_embd=128,n_head=4", "--tokenizer_vocab_size", "4096",
+            "--block_size", "128", "--per_device_train_batch_size", "16", "--max_steps", "400",
+            "--learning_rate", "2e-3", "--warmup_steps", "40", "--lr_scheduler_type", "cosine",
+            "--weight_decay", "0.01", "--do_train", "--bf16", "--report_to", "none", "--save_strategy", "no",
+            "--logging_steps", "50", "--disable_tqdm", "true", "--eval_lengths", "128,256,512,1024",
+            "--max_eval_tokens", "8192", "--output_dir", out,
+        ]  # fmt: skip
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            tail = " / ".join(done.stderr.strip().splitlines()[-3:])[:300]
+            print(f"| main job (run_clm.py --bf16, CUDA) | failed, exit {done.returncode}: {tail} |")
+            return
+        with open(os.path.join(out, "eval_results.json")) as f:
+            results = json.load(f)
+    summary = json.dumps({k: v for k, v in results.items() if k not in ("trainer_eval",)}, sort_keys=True)
+    print(f"| main job (run_clm.py --bf16, CUDA) | {seconds:.0f} s wall-clock | eval_results: {summary[:2000]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--types", nargs="*", default=list(BUILDERS), choices=list(BUILDERS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gen-repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-main-job", dest="main_job", action="store_false")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False).")
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    import hf_alibi
+
+    if "unpatched" not in args.arms:
+        args.arms.insert(0, "unpatched")  # every ratio is against it
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"bf16, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
+        f"median of {args.repeats} (generation {args.gen_repeats}), interleaved; "
+        f"hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
+    )
+    print("| model | L | arm | train step ms | / unpatched | peak MB | / unpatched | gen tok/s | / unpatched | path |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    supported = hf_alibi.supported_model_types()
+    for model_type in args.types:
+        if model_type not in supported:
+            print(
+                f"| {model_type} | not convertible by this hf_alibi (supported_model_types): skipped | | | | | | | | |"
+            )
+            continue
+        run_model(model_type, args)
+    if args.main_job:
+        main_job(args)
+
+
+if __name__ == "__main__":
+    main()
