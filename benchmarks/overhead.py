@@ -82,6 +82,20 @@ def build_gpt_neox(alibi: bool, max_len: int, args) -> Built:
     return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
 
 
+def build_llama(alibi: bool, max_len: int, args) -> Built:
+    """Llama with grouped-query attention: half as many KV heads as query heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+        hidden_size=args.width, intermediate_size=4 * args.width, max_position_embeddings=max_len,
+        vocab_size=args.vocab, attention_dropout=0.0, attn_implementation=args.attn,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
+
+
 def build_bert(alibi: bool, max_len: int, args) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -115,7 +129,9 @@ _ARGS = argparse.Namespace(dtype="fp32")  # main() replaces it with the parsed a
 
 
 # model_type -> builder(alibi, max_len, args). A new architecture needs one entry here.
-BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "gpt_neox": build_gpt_neox, "bert": build_bert}
+BUILDERS: dict[str, Callable] = {
+    "gpt2": build_gpt2, "gpt_neox": build_gpt_neox, "llama": build_llama, "bert": build_bert,
+}  # fmt: skip
 
 
 def _rss_kb(field: str) -> int:

@@ -113,9 +113,11 @@ def test_info_reports_the_settings(converted, capsys):
     assert code == 0 and f"ALiBi checkpoint of {model_type}" in stdout
 
 
-def test_console_script_is_declared_and_runs_as_a_module(converted):
+def test_console_script_is_declared_and_runs_as_a_module(gpt2_src, tmp_path):
+    """The entry point, once (the per-architecture conversions above run in this process)."""
     assert '[project.scripts]\nhf-alibi = "hf_alibi.cli:main"\n' in (REPO_ROOT / "pyproject.toml").read_text()
-    _, _, out = converted
+    out = tmp_path / "alibi"
+    assert cli.main(["convert", str(gpt2_src), str(out)]) == 0
     result = subprocess.run(
         [sys.executable, "-m", "hf_alibi", "info", str(out)], capture_output=True, text=True, timeout=300
     )
