@@ -390,14 +390,18 @@ def main():
     if eval_dataset is not None and data_args.max_eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples)))
 
+    common = dict(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        callbacks=[SaveConfigCallback()],
+    )
     if teacher is not None:
         trainer = DistillationTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            data_collator=default_data_collator,
+            **common,
             teacher=teacher,
             kind=model_kind(teacher),
             lm_weight=model_args.distill_lm_weight,
@@ -405,19 +409,9 @@ def main():
             hidden_layers=model_args.distill_hidden_layers,
             warm_start_steps=model_args.distill_warm_start_steps,
             attention_only_steps=model_args.distill_attention_only_steps,
-            callbacks=[SaveConfigCallback()],
         )
     else:
-        trainer = LengthScalingTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            data_collator=default_data_collator,
-            train_sequence_length_scaling=data_args.train_sequence_length_scaling,
-            callbacks=[SaveConfigCallback()],
-        )
+        trainer = LengthScalingTrainer(**common, train_sequence_length_scaling=data_args.train_sequence_length_scaling)
     not_fsdp = fsdp_requested_but_not_used(trainer.accelerator.distributed_type)
     if not_fsdp:
         raise ValueError(not_fsdp)

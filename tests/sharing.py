@@ -133,3 +133,16 @@ def run_child(code: str, cwd: Path, hf_home: Path, block_hf_alibi: bool) -> subp
 def last_json_line(stdout: str) -> dict:
     line = stdout.strip().splitlines()[-1]
     return json.loads(line[line.index("{") :])  # transformers' trust prompt may precede it on the line
+
+
+def run_cli(*argv, capsys) -> tuple[int, str, str]:
+    """``hf-alibi ARGV`` in this process: (exit code, stdout, stderr), progress bars before it dropped."""
+    from hf_alibi import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

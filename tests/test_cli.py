@@ -17,6 +17,7 @@ from sharing import (
     make_tokenizer,
     output_tensor,
     run_child,
+    run_cli,
 )
 from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
 
@@ -26,16 +27,6 @@ from hf_alibi.hub import auto_classes_for
 
 ARCHITECTURES = sorted(TINY_BY_TYPE)  # the full cases (tests/arch_cases.py)
 SUPPORTED = hf_alibi.supported_model_types()
-
-
-def run_cli(*argv, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()  # drop what came before (progress bars)
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

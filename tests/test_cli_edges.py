@@ -8,20 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from sharing import TINY_BY_TYPE, make_tokenizer
+from sharing import TINY_BY_TYPE, make_tokenizer, run_cli
 
 import hf_alibi
-from hf_alibi import cli
-
-
-def run_cli(*argv, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture

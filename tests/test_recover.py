@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from sharing import folder_hash, last_json_line, make_tokenizer, run_child
+from sharing import folder_hash, last_json_line, make_tokenizer, run_child, run_cli
 from tiny import VOCAB, random_ids, tiny_gpt2
 from transformers import BertConfig, BertForMaskedLM, TrainingArguments
 
@@ -257,16 +257,6 @@ def test_warm_start_fades_the_original_table_to_zero():
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
-
-
-def run_cli(*argv, capsys):
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")
