@@ -33,17 +33,21 @@ class MaskCache:
     One per converted model (every ``AlibiBias`` of the model holds the same one). Every layer has
     the same heads and fixed slopes, and transformers hands all of its layers the same mask object,
     so the merged mask (bias + padding + causality) only depends on (kind, heads, q_len, kv_len,
-    device, dtype) and on that mask object. One entry per thread is kept, the latest, so two threads
-    running the same model never see each other's mask; :meth:`release` (a forward hook of the
-    converted model) drops the calling thread's entry when the forward ends. The learned form is
+    device, dtype) and on that mask object. Models that mix sliding-window and full layers get one
+    mask object per layer kind from transformers: one merged mask each (``MAX_ENTRIES`` at most), so
+    alternating layers reuse theirs instead of rebuilding it per layer. The entries are kept per
+    thread, so two threads running the same model never see each other's masks; :meth:`release` (a
+    forward hook of the converted model) drops the calling thread's entries when the forward ends. The learned form is
     never shared: its slopes differ per layer and carry gradients.
 
     Copies (``copy.deepcopy``, pickling) start empty.
     """
 
+    MAX_ENTRIES = 4  # per thread and forward: transformers makes one mask per layer kind (full, sliding, chunked)
+
     def __init__(self):
-        # thread id -> (key, transformers' mask it was made from, merged mask): one tuple, replaced whole
-        self._entries: dict[int, tuple] = {}
+        # thread id -> [(key, transformers' mask it was made from, merged mask), ...], newest last
+        self._entries: dict[int, list[tuple]] = {}
         self.builds = 0  # how many masks were built (tests count them)
 
     def __deepcopy__(self, memo) -> MaskCache:
@@ -58,25 +62,27 @@ class MaskCache:
     @property
     def merged(self) -> torch.Tensor | None:
         """The calling thread's current merged mask, if any."""
-        entry = self._entries.get(threading.get_ident())
-        return None if entry is None else entry[2]
+        entries = self._entries.get(threading.get_ident())
+        return entries[-1][2] if entries else None
 
     def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         dtype, device, q_len = query.dtype, query.device, query.shape[2]
         # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
         key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
         thread = threading.get_ident()
-        entry = self._entries.get(thread)
-        if entry is not None and entry[0] == key and entry[1] is attention_mask:
-            return entry[2]
+        entries = self._entries.get(thread, [])
+        for entry in entries:
+            if entry[0] == key and entry[1] is attention_mask:
+                return entry[2]
         bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32
         merged = merge_bias_and_mask(bias, attention_mask, dtype)
         self.builds += 1
-        self._entries[thread] = (key, attention_mask, merged)
+        # a new list, assigned whole: another thread reading this one's entries never sees it half-made
+        self._entries[thread] = [*entries[-(self.MAX_ENTRIES - 1) :], (key, attention_mask, merged)]
         return merged
 
     def release(self, *_args, **_kwargs) -> None:
-        """Drop the calling thread's mask (a forward hook: the forward it was made for has ended)."""
+        """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
         self._entries.pop(threading.get_ident(), None)
 
 

@@ -43,8 +43,11 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
             causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
             attention.alibi = AlibiBias(CAUSAL if causal else settings.encoder_variant, settings.heads, masks=masks)
     _alibi_sub_configs(model)
-    base.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
-    base.register_forward_hook(masks.release)  # the shared mask lives for one forward only
+    # On the base model and on the model itself: some task heads run the base's inner stack directly
+    # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
+    for module in dict.fromkeys([base, model]):
+        module.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        module.register_forward_hook(masks.release)  # the shared masks live for one forward only
 
 
 def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, alibi_class: type) -> None:
