@@ -146,3 +146,11 @@ def run_cli(*argv, capsys) -> tuple[int, str, str]:
         code = exit_.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def run_python(code: str, cwd) -> subprocess.CompletedProcess:
+    """``python -c CODE`` (dedented) in ``cwd``, with this checkout's hf_alibi importable, no stdin."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,  # transformers asks on stdin whether to trust the checkpoint's remote code
+    )  # fmt: skip

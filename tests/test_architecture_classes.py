@@ -3,8 +3,8 @@
 import torch
 import transformers
 from arch_cases import _BERT, CASES
-from reference import bert_reference_logits
-from tiny import random_ids
+from reference import bert_reference_logits, gpt2_reference_logits
+from tiny import random_ids, tiny_gpt2
 
 import hf_alibi
 
@@ -47,3 +47,19 @@ def test_bert_inputs_embeds_and_token_types_past_the_original_maximum():
     torch.testing.assert_close(by_embeds, by_ids, rtol=0, atol=1e-6)
     torch.testing.assert_close(zeros, by_ids, rtol=0, atol=0)
     assert (ones - zeros).abs().max() > 1e-3  # token types still count
+
+
+def test_gpt2_cross_attention_layers_get_no_bias():
+    model = hf_alibi.patch_model(tiny_gpt2(add_cross_attention=True))
+    assert all(hasattr(block.attn, "alibi") for block in model.transformer.h)
+    assert not any(hasattr(block.crossattention, "alibi") for block in model.transformer.h)
+
+
+def test_gpt2_in_bf16_at_16x_n_positions_stays_close_to_the_fp32_reference():
+    model = hf_alibi.patch_model(tiny_gpt2()).to(torch.bfloat16)
+    ids = random_ids(1, 256)
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+        reference = gpt2_reference_logits(model.float(), ids)
+    assert torch.isfinite(logits).all()
+    assert (logits - reference).abs().max() < 0.25  # bf16 has 8 mantissa bits

@@ -12,7 +12,7 @@ from arch_cases import FULL_VARIANT_IDS as VARIANT_IDS  # the reduced cases skip
 from arch_cases import FULL_VARIANT_PARAMS as VARIANT_PARAMS
 from arch_cases import MAX_LEN
 from safetensors import safe_open
-from test_persistence import run_python
+from sharing import run_python
 
 import hf_alibi
 from hf_alibi.core.config import REMOVED_FIELD_MARKER
@@ -61,6 +61,25 @@ def test_config_json_and_weights_record_the_conversion(saved, name):
         layers = sum(1 for _ in hf_alibi.patch_model(case.make(), encoder_variant="learned").modules()
                      if isinstance(_, hf_alibi.AlibiBias) and _.kind == "learned")  # fmt: skip
         assert len(learned) == 2 * layers
+
+
+def test_gpt2_config_json_holds_exactly_the_settings_and_the_row(saved):
+    """One row in full: what config.json says, key for key (the others: the loop above)."""
+    config = json.loads((saved["gpt2"][2] / "config.json").read_text())
+    assert config["model_type"] == "alibi_gpt2"
+    assert config["architectures"] == ["AlibiGPT2LMHeadModel"]
+    assert config["alibi"] == {
+        "base_model_type": "gpt2", "encoder_variant": None, "heads": 4, "hf_alibi_version": hf_alibi.__version__,
+        "architecture": {  # the row, so that the checkpoint rebuilds the same way wherever it is loaded
+            "model_type": "gpt2", "strategy": "absolute", "position": ["wpe"], "attention": ["h.*.attn"],
+            "removed_config_fields": ["n_positions"], "bidirectional": False, "placeholder": 1,
+            "extra_classes": ["GPT2DoubleHeadsModel"],
+        },
+    }  # fmt: skip
+    assert config["n_positions"].startswith(REMOVED_FIELD_MARKER)
+    assert "AutoModelForCausalLM.from_pretrained or hf_alibi.models.AlibiGPT2LMHeadModel" in config["n_positions"]
+    assert "_attn_implementation_internal" not in config
+    assert (saved["gpt2"][2] / "model.safetensors").exists()
 
 
 def test_every_checkpoint_reloads_in_a_fresh_process_with_identical_outputs(saved):

@@ -104,9 +104,9 @@ def test_cached_logits_equal_full_logits(case):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize(("case", "variant"), VARIANT_PARAMS, ids=VARIANT_IDS)
-def test_padding_does_not_change_real_tokens(case, variant, side):
-    model = hf_alibi.patch_model(case.make(attn_implementation="eager"), encoder_variant=variant)
+@pytest.mark.parametrize(("case", "variant", "backend"), WITH_BACKENDS, ids=WITH_BACKENDS_IDS)
+def test_padding_does_not_change_real_tokens(case, variant, backend, side):
+    model = hf_alibi.patch_model(case.make(attn_implementation=backend), encoder_variant=variant)
     short, long = case.inputs(1, 6, seed=2), case.inputs(1, 10, seed=3)
     ids = short["input_ids"]
     pad = torch.zeros(1, 4, dtype=torch.long)
@@ -129,6 +129,26 @@ def test_padding_does_not_change_real_tokens(case, variant, side):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(real, alone, rtol=0, atol=1e-5)
     torch.testing.assert_close(out[1], long_alone, rtol=0, atol=1e-5)
+
+
+DECODER_ONLY = [case for case in DECODING if case.kind == "decoder"]
+
+
+@pytest.mark.parametrize("case", DECODER_ONLY, ids=[case.name for case in DECODER_ONLY])
+def test_left_padded_batch_generation_equals_each_prompt_alone(case):
+    model = hf_alibi.patch_model(case.make())
+    short, long = case.inputs(1, 4, seed=4)["input_ids"], case.inputs(1, 7, seed=5)["input_ids"]
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    options = dict(max_new_tokens=MAX_LEN, min_new_tokens=MAX_LEN, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, **options)
+        alone = model.generate(short, **options)
+        long_alone = model.generate(long, **options)
+    assert together.shape[1] > MAX_LEN  # past the original maximum
+    assert torch.equal(together[0, 3:], alone[0])
+    assert torch.equal(together[1], long_alone[0])
 
 
 @pytest.mark.parametrize(("case", "variant"), BIDIRECTIONAL, ids=BIDIRECTIONAL_IDS)
