@@ -3,7 +3,7 @@
     python notebooks/execute.py                      # every notebook
     python notebooks/execute.py 04_convert_and_share # one
 
-The committed .ipynb files are these executed sources (tests/test_notebooks.py checks it).
+The committed .ipynb files are these executed sources (tests/notebooks/test_notebooks.py checks it).
 """
 
 import sys

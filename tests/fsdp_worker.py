@@ -16,7 +16,7 @@ mean of the ranks' losses per step (what FSDP's gradient averaging computes), th
 * rank 0 saves the gathered model with ``save_pretrained`` (what the Trainer does with the full state
   dict) and the reference's logits, for the test to reload in a fresh process.
 
-Rank 0 writes ``OUT/report.json``; the test checks it (tests/test_fsdp.py).
+Rank 0 writes ``OUT/report.json``; the test checks it (tests/training/test_fsdp.py).
 """
 
 from __future__ import annotations

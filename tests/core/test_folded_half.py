@@ -483,7 +483,7 @@ def test_gpu_flex_trains_and_matches_reference(dtype):
         assert (mine.grad.cpu().double() - theirs.grad).abs().max().item() <= (1e-3 if tol < 1e-3 else 3e-2) * scale
 
 
-if __name__ == "__main__":  # the README's accuracy table: python tests/test_folded_half.py
+if __name__ == "__main__":  # the README's accuracy table: PYTHONPATH=tests python tests/core/test_folded_half.py
     print("| L | dtype | fold (row) max / rms | fold (channel) max / rms | bias path max / rms |")
     print("|---|---|---|---|---|")
     for length in (1024, 4096, 16384, 32768):

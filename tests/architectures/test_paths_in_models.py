@@ -117,7 +117,7 @@ def test_bf16_model_takes_the_fold_and_stays_close(case):
         reference = case.reference(model, inputs, None).float()
         model.to(torch.bfloat16)
         logits = model(**inputs).logits.float()
-    assert paths(model) == {FOLDED}  # the half-precision fold (tests/test_folded_half.py)
+    assert paths(model) == {FOLDED}  # the half-precision fold (tests/core/test_folded_half.py)
     assert (logits - reference).abs().max() <= 2e-2 * reference.abs().max() + 0.05
 
 

@@ -27,7 +27,7 @@ import transformers
 
 import hf_alibi
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "fsdp_worker.py")
 SCRIPT = str(ROOT / "scripts" / "run_clm.py")
 CONFIG = str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")

@@ -392,7 +392,7 @@ def load_run_clm():
     import sys
 
     if "hf_alibi_run_clm" not in sys.modules:
-        path = Path(__file__).parent.parent / "scripts" / "run_clm.py"
+        path = Path(__file__).resolve().parents[2] / "scripts" / "run_clm.py"
         spec = importlib.util.spec_from_file_location("hf_alibi_run_clm", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["hf_alibi_run_clm"] = module

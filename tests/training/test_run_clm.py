@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_alibi
 from hf_alibi.evaluation import evaluate_perplexity
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "run_clm.py")
 TINY = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=4,n_positions=16"]
 COMMON = ["--per_device_train_batch_size", "4", "--max_steps", "3", "--report_to", "none", "--seed", "0"]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPT2Config
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "run_clm.py")
 TINY = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_embd=32,n_head=4,n_positions=16"]
 COMMON = ["--per_device_train_batch_size", "4", "--report_to", "none", "--seed", "0", "--tokenizer_vocab_size", "512"]
