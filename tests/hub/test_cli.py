@@ -129,14 +129,6 @@ def test_convert_with_encoder_variant_for_a_decoder_only_model_is_refused(tmp_pa
 # ------------------------------------------------------------------------------------------ bad inputs
 
 
-@pytest.fixture
-def gpt2_src(tmp_path):
-    src = tmp_path / "src"
-    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
-    make_tokenizer(src)
-    return src
-
-
 def _break_config(src):
     (src / "config.json").write_text('{"model_type": "gpt2", ')
 

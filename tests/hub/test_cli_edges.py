@@ -8,17 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from sharing import TINY_BY_TYPE, make_tokenizer, run_cli
+from sharing import TINY_BY_TYPE, run_cli
 
 import hf_alibi
-
-
-@pytest.fixture
-def gpt2_src(tmp_path):
-    src = tmp_path / "src"
-    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
-    make_tokenizer(src)
-    return src
 
 
 def _tree(folder: Path) -> list[str]:
