@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .compat import is_exporting
 from .mask import MaskCache
 from .slopes import BIAS_KINDS, CAUSAL, LEARNED, alibi_bias, get_slopes
 
@@ -56,7 +57,10 @@ class AlibiBias(nn.Module):
                 self.slopes_right.normal_(-2.0, 1.0)
 
     def fixed_slopes(self, device: torch.device) -> torch.Tensor:
-        """The paper's slopes, float32 ``(H,)``, made once per device."""
+        """The paper's slopes, float32 ``(H,)``, made once per device (per call while traced: a graph
+        holds them as a constant, and a dict filled during tracing would fail its guard and recompile)."""
+        if is_exporting():
+            return get_slopes(self.num_heads, device=device)
         slopes = self._slopes_by_device.get(device)
         if slopes is None:
             slopes = self._slopes_by_device[device] = get_slopes(self.num_heads, device=device)

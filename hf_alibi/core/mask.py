@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from .compat import is_exporting
 from .slopes import LEARNED
 
 
@@ -39,6 +40,12 @@ class MaskCache:
     thread, so two threads running the same model never see each other's masks; :meth:`release` (a
     forward hook of the converted model) drops the calling thread's entries when the forward ends. The learned form is
     never shared: its slopes differ per layer and carry gradients.
+
+    While ``torch.compile`` or ``torch.export`` traces, the cache is not used at all (:func:`bias_mask`
+    builds the mask per layer, :meth:`release` does nothing): dynamo cannot trace ``threading`` calls
+    (a graph break, an error under ``fullgraph=True``), and a traced graph is one function of its inputs,
+    shared by every thread that runs it, so there is nothing per thread to keep apart. The compiler's
+    common-subexpression pass (aot_autograd's CSE) merges the identical per-layer builds again.
 
     Copies (``copy.deepcopy``, pickling) start empty.
     """
@@ -83,12 +90,18 @@ class MaskCache:
 
     def release(self, *_args, **_kwargs) -> None:
         """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
+        if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
+            return
         self._entries.pop(threading.get_ident(), None)
 
 
 def bias_mask(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Bias + transformers' mask as one additive float mask in the query's dtype, ``(1 or B, H, q, kv)``."""
-    if alibi.kind == LEARNED:
+    """Bias + transformers' mask as one additive float mask in the query's dtype, ``(1 or B, H, q, kv)``.
+
+    Shared through the model's :class:`MaskCache` in eager mode; built here per layer for the learned
+    form (its own slopes) and while torch.compile / torch.export traces (no cache in a graph).
+    """
+    if alibi.kind == LEARNED or is_exporting():
         bias = alibi(query.shape[2], kv_len, query.device, torch.finfo(query.dtype).min)
         return merge_bias_and_mask(bias, attention_mask, query.dtype)
     return alibi.masks.get(alibi, query, kv_len, attention_mask)

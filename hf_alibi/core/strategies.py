@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .compat import is_exporting
+
 
 def find_modules(root: nn.Module, path: str) -> list[tuple[nn.Module, str, nn.Module]]:
     """``(parent, attribute name, module)`` for every module at ``path`` under ``root``.
@@ -72,11 +74,15 @@ class IdentityRotary(nn.Module):
         self._probes: dict = {}
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        try:
-            key = (x.dtype, x.device, args, tuple(sorted(kwargs.items())))
-            probe = self._probes.get(key)
-        except TypeError:  # an unhashable extra argument: ask every time
-            key, probe = None, None
+        key, probe = None, None
+        # Traced (torch.compile / export): asked every time, since a dict filled during tracing fails
+        # its guard and recompiles; the graph keeps only the width (a constant) and drops the probe.
+        if not is_exporting():
+            try:
+                key = (x.dtype, x.device, args, tuple(sorted(kwargs.items())))
+                probe = self._probes.get(key)
+            except TypeError:  # an unhashable extra argument: ask every time
+                key = None
         if probe is None:
             with torch.no_grad():
                 cos, sin = self.original(x, position_ids[..., :1], *args, **kwargs)
