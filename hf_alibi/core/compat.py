@@ -103,6 +103,22 @@ def cpu_flash_attention_shares_kv_heads() -> bool:
     return (major, minor) >= (2, 5)
 
 
+def register_recorded_outputs(model) -> None:
+    """Tell transformers' output recording what ``model`` records after its class changed.
+
+    ``capture_outputs`` (``output_hidden_states``, ``output_attentions``, ...) looks the model's
+    ``_can_record_outputs`` up in ``utils.output_capturing._CAN_RECORD_REGISTRY``, keyed on the class
+    name and filled by ``PreTrainedModel.__init__`` (checked on 5.23): a model whose class is swapped
+    after ``__init__`` (``Alibi<Class>``) is missing there and records nothing. Older releases without
+    the registry read the class attribute itself and need nothing.
+    """
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+
+
 def is_exporting() -> bool:
     """True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3)."""
     return torch.compiler.is_compiling()
@@ -118,6 +134,7 @@ __all__ = [
     "drop_config_validators",
     "flash_padding_helpers",
     "is_exporting",
+    "register_recorded_outputs",
     "repeat_kv",
     "set_config_attn_implementation",
     "stored_attn_implementation",

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .architectures import Architecture, check_strategy, get_architecture
 from .bias import AlibiBias
+from .compat import register_recorded_outputs
 from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .mask import MaskCache
 from .slopes import CAUSAL
@@ -57,6 +58,8 @@ def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, 
     new_config = alibi_config_copy(config, alibi_class.config_class, settings.to_dict())
     rebind_config(model, config, new_config)
     model.__class__ = alibi_class
+    # transformers keys what a model records (hidden states, attentions) on its class: the new one too
+    register_recorded_outputs(model)
     apply(model, settings, row)
 
 
