@@ -74,6 +74,13 @@ def drop_config_validators(config_class: type, names: tuple[str, ...] | None) ->
         config_class.__validators__ = {k: v for k, v in validators.items() if names is not None and k not in names}
 
 
+def config_class_validators(config_class: type) -> list:
+    """The class validators (``validate_*`` methods) that ``PretrainedConfig.validate`` runs for
+    ``config_class`` (huggingface_hub's ``strict`` keeps them in ``__class_validators__`` of the
+    decorated class; checked on transformers 5.23 with huggingface_hub 2.4), ``[]`` where there are none."""
+    return list(getattr(config_class, "__class_validators__", ()))
+
+
 def flash_padding_helpers():
     """``(_upad_input, _unpad_input, _pad_input)`` of ``modeling_flash_attention_utils`` (checked on
     5.0 to 5.23): unpad a padded batch for ``flash_attn_varlen_func`` and pad its output back."""
@@ -130,6 +137,7 @@ __all__ = [
     "base_mask_function",
     "compiled_flex_attention",
     "cpu_flash_attention",
+    "config_class_validators",
     "cpu_flash_attention_shares_kv_heads",
     "drop_config_validators",
     "flash_padding_helpers",

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from .compat import (
     auto_class_names,
+    config_class_validators,
     drop_config_validators,
     set_config_attn_implementation,
     stored_attn_implementation,
@@ -172,12 +173,28 @@ class AlibiConfigMixin:
         backend = base_name(stored_attn_implementation(self))
         if value and backend is None:
             self._attn_implementation_internal = backend = "eager"
-        if value and backend != "eager":
-            raise ValueError(
-                f"output_attentions needs the eager backend, this model uses {backend!r}: "
-                "call model.set_attn_implementation('eager') first."
-            )
+        _check_output_attentions(value, backend)
         self._output_attentions = value
+
+    def validate(self) -> None:
+        """transformers' checks of this config (``save_pretrained`` runs them), each as the base class
+        runs it, except ``validate_output_attentions``: that one compares ``_attn_implementation`` with
+        ``"eager"``, and here it answers ``"alibi_eager"``, so it is made against the plain backend.
+        (A validator's error comes out as its own ValueError / TypeError, not wrapped.)
+        """
+        for validator in config_class_validators(type(self)):
+            if validator.__name__ == "validate_output_attentions":
+                _check_output_attentions(self.output_attentions, base_name(stored_attn_implementation(self)))
+            else:
+                validator(self)
+
+
+def _check_output_attentions(value: bool, backend: str | None) -> None:
+    if value and backend not in ("eager", None):
+        raise ValueError(
+            f"output_attentions needs the eager backend, this model uses {backend!r}: "
+            "call model.set_attn_implementation('eager') first (or set config.output_attentions = False)."
+        )
 
 
 _CONFIG_CLASSES: dict[tuple[type, str], type] = {}
