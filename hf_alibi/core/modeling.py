@@ -64,7 +64,9 @@ def _alibi_sub_configs(model: PreTrainedModel) -> None:
     # Submodules may hold copies of the model's config (T5's stacks, with is_decoder set); transformers
     # reads the attention implementation from those, so each gets an ALiBi copy of its own.
     config = model.config
-    base_class = next(c for c in type(config).__mro__[1:] if not issubclass(c, AlibiConfigMixin))
+    base_class = next(
+        c for c in type(config).__mro__[1:] if issubclass(c, PretrainedConfig) and not issubclass(c, AlibiConfigMixin)
+    )
     copies: dict[int, PretrainedConfig] = {}
     for module in model.modules():
         old = getattr(module, "config", None)
