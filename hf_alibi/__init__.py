@@ -5,14 +5,20 @@ only); it never patches anything. Converting is explicit: :func:`patch_model`.
 """
 
 from . import models  # noqa: F401  (the home of the Alibi<Class> classes; transformers reads it by name)
-from .core.architectures import ARCHITECTURES, Architecture
+from .core.architectures import Architecture
 from .core.bias import AlibiBias, set_attention_path
 from .core.config import AlibiSettings, get_settings, is_alibi_config
 from .core.dispatch import register_backends
 from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
 from .patch import is_alibi_model, patch_model
-from .registry import get_architecture, register_architecture, register_builtin_architectures, supported_model_types
+from .registry import (
+    ARCHITECTURES,
+    get_architecture,
+    register_architecture,
+    register_builtin_architectures,
+    supported_model_types,
+)
 
 register_backends()
 register_builtin_architectures()

@@ -1,10 +1,14 @@
-"""The architectures hf_alibi converts: the built-in table, user rows, and the Auto registration.
+"""The architectures hf_alibi converts: the built-in rows (``hf_alibi.patches``), user rows, and the Auto registration.
 
-Registering an architecture makes, for each of its transformers classes (``GPT2Model``,
-``GPT2LMHeadModel``, ...), a subclass ``Alibi<Class>`` (``core.modeling.alibi_model_class``) and
-registers it with the Auto classes under ``"alibi_" + model_type``. That is what lets
-``AutoModelForCausalLM.from_pretrained`` rebuild a converted checkpoint after ``import hf_alibi``.
-Nothing of transformers is modified: only new names are added.
+Registering an architecture makes ``Alibi<Config>``, a subclass of the type's config class, and
+registers it with ``AutoConfig`` under ``"alibi_" + model_type``. For each of the type's transformers
+model classes (``GPT2Model``, ``GPT2LMHeadModel``, ...) it makes a subclass ``Alibi<Class>``
+(``core.modeling.alibi_model_class``) and registers it with the Auto classes: for a user's row at once,
+for a built-in row when the row is first used (``patch_model``, ``hf_alibi.models.Alibi<Class>``, or
+the first ``Alibi<Config>`` made, which transformers always makes before it looks a model class up).
+That is what lets ``AutoModelForCausalLM.from_pretrained`` rebuild a converted checkpoint after
+``import hf_alibi`` without importing the modeling code of every type at import. Nothing of
+transformers is modified: only new names are added.
 """
 
 from __future__ import annotations
@@ -13,31 +17,44 @@ from collections.abc import Callable
 
 import transformers
 from torch import nn
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig
 
-from .core.architectures import ARCHITECTURES, Architecture
+from .core.architectures import REGISTERED, Architecture, find_architecture
 from .core.compat import auto_class_names
-from .core.config import alibi_config_class
+from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.modeling import alibi_model_class
-from .core.strategies import STRATEGIES
+from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
 from .hub import AlibiPreTrainedMixin
+from .patches import absolute, relative, rotary
 
 MODELS_MODULE = "hf_alibi.models"
+# The built-in rows, as hf_alibi.patches lists them (one module per strategy).
+ARCHITECTURES: dict[str, Architecture] = {
+    row.model_type: row for row in (*absolute.ROWS, *relative.ROWS, *rotary.ROWS)
+}
 
-# model_type -> its row; model_type -> {transformers class: Alibi class}
-_ROWS: dict[str, Architecture] = {}
+# model_type -> Alibi<Config> (made at registration); model_type -> {transformers class: Alibi class}
+# (made when the row is first used)
+_CONFIG_CLASSES: dict[str, type] = {}
 _CLASSES: dict[str, dict[type, type]] = {}
-BUILTIN_STRATEGIES = frozenset(STRATEGIES)
 
 
 def supported_model_types() -> list[str]:
-    """The ``model_type`` values :func:`hf_alibi.patch_model` can convert."""
-    return sorted(_ROWS)
+    """The ``model_type`` values :func:`hf_alibi.patch_model` can convert.
+
+    >>> "llama" in hf_alibi.supported_model_types()  # doctest: +SKIP
+    True
+    """
+    return sorted(REGISTERED)
 
 
 def get_architecture(model_type: str) -> Architecture:
-    """The registered row of ``model_type``, or a ``ValueError`` that names the supported types."""
-    row = _ROWS.get(model_type)
+    """The registered row of ``model_type``, or a ``ValueError`` that names the supported types.
+
+    >>> hf_alibi.get_architecture("gpt2").strategy  # doctest: +SKIP
+    'absolute'
+    """
+    row = find_architecture(model_type)
     if row is None:
         raise ValueError(
             f"hf_alibi cannot convert model_type={model_type!r}. Supported model types: "
@@ -48,18 +65,60 @@ def get_architecture(model_type: str) -> Architecture:
 
 
 def alibi_classes(model_type: str) -> dict[type, type]:
-    """transformers class -> ``Alibi<Class>`` for a registered ``model_type``."""
-    get_architecture(model_type)
-    return _CLASSES[model_type]
-
-
-def _base_classes(row: Architecture) -> dict[type, list[str]]:
-    """transformers' classes for the row's type mapped to the Auto classes that load them."""
-    classes: dict[type, list[str]] = {getattr(transformers, name): [] for name in row.extra_classes}
-    for auto_name, class_name in auto_class_names(row.model_type).items():
-        if hasattr(transformers, class_name):
-            classes.setdefault(getattr(transformers, class_name), []).append(auto_name)
+    """transformers class -> ``Alibi<Class>`` for a registered ``model_type`` (made on first use)."""
+    row = get_architecture(model_type)
+    classes = _CLASSES.get(model_type)
+    if classes is None:
+        classes = _CLASSES[model_type] = _model_classes(row, _CONFIG_CLASSES[model_type])
     return classes
+
+
+class _RegistersModelClasses:
+    """Base of every ``Alibi<Config>`` the registry makes: the first config made of a type registers
+    the type's ``Alibi<Class>`` models with the Auto classes (see the module docstring)."""
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        base_type = type(self).model_type.removeprefix(MODEL_TYPE_PREFIX)
+        if base_type not in _CLASSES:
+            alibi_classes(base_type)
+
+
+def _base_class_names(row: Architecture) -> dict[str, list[str]]:
+    """Names of transformers' model classes for the row's type -> the Auto classes that load them
+    (from transformers' name tables: nothing is imported)."""
+    names: dict[str, list[str]] = {name: [] for name in row.extra_classes}
+    for auto_name, class_name in auto_class_names(row.model_type).items():
+        names.setdefault(class_name, []).append(auto_name)
+    return names
+
+
+def _model_classes(row: Architecture, config_cls: type) -> dict[type, type]:
+    """Make the row's ``Alibi<Class>`` models and register them with their Auto classes."""
+    classes = {}
+    for class_name, auto_names in _base_class_names(row).items():
+        if class_name in row.extra_classes:
+            base_cls = getattr(transformers, class_name)  # named by the row: an error if missing
+        elif (base_cls := getattr(transformers, class_name, None)) is None:
+            continue  # an Auto table may name a class this transformers lacks
+        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=(AlibiPreTrainedMixin,))
+        classes[base_cls] = alibi_cls
+        for auto_name in auto_names:
+            getattr(transformers, auto_name).register(config_cls, alibi_cls, exist_ok=True)
+    return classes
+
+
+def _config_class(row: Architecture) -> type:
+    """The row's ``Alibi<Config>``, from transformers' config class of the type (a light import)."""
+    try:
+        base_config_cls = CONFIG_MAPPING[row.model_type] if _base_class_names(row) else None
+    except KeyError:
+        base_config_cls = None
+    if base_config_cls is None:
+        raise ValueError(f"transformers has no model classes for model_type {row.model_type!r}.")
+    return alibi_config_class(
+        base_config_cls, row.model_type, row.removed_config_fields, MODELS_MODULE, bases=(_RegistersModelClasses,)
+    )
 
 
 def register_architecture(
@@ -74,9 +133,15 @@ def register_architecture(
 
     >>> hf_alibi.register_architecture(hf_alibi.Architecture("mistral", "rotary"))  # doctest: +SKIP
     """
+    _register(row, strategy)
+    alibi_classes(row.model_type)  # a user's row: its classes now, so a row that fits no class fails here
+    return row
+
+
+def _register(row: Architecture, strategy: Callable | None = None) -> None:
     if not isinstance(row, Architecture):
         raise TypeError(f"register_architecture takes an hf_alibi.Architecture row, got {type(row).__name__}.")
-    if row.model_type in _ROWS:
+    if row.model_type in REGISTERED:
         raise ValueError(f"model_type {row.model_type!r} is already registered with hf_alibi.")
     if strategy is not None:
         if row.strategy in BUILTIN_STRATEGIES:
@@ -87,39 +152,26 @@ def register_architecture(
             f"Unknown strategy {row.strategy!r} for {row.model_type!r}: use one of {sorted(STRATEGIES)}, "
             "or pass strategy=... to register_architecture."
         )
-    base_classes = _base_classes(row)
-    if not base_classes:
-        raise ValueError(f"transformers has no model classes for model_type {row.model_type!r}.")
-    base_config_cls = next(iter(base_classes)).config_class
-    config_cls = alibi_config_class(base_config_cls, row.model_type, row.removed_config_fields, MODELS_MODULE)
+    config_cls = _config_class(row)
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-    classes = {}
-    for base_cls, auto_names in base_classes.items():
-        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=(AlibiPreTrainedMixin,))
-        classes[base_cls] = alibi_cls
-        for auto_name in auto_names:
-            getattr(transformers, auto_name).register(config_cls, alibi_cls, exist_ok=True)
-    _ROWS[row.model_type] = row
-    _CLASSES[row.model_type] = classes
-    return row
+    _CONFIG_CLASSES[row.model_type] = config_cls
+    REGISTERED[row.model_type] = row
 
 
 def class_named(name: str) -> type | None:
     """A registered ``Alibi<Class>`` or ``Alibi<Config>`` by name (``hf_alibi.models`` answers with it)."""
-    for classes in _CLASSES.values():
-        for alibi_cls in classes.values():
-            if alibi_cls.__name__ == name:
-                return alibi_cls
-            if alibi_cls.config_class.__name__ == name:
-                return alibi_cls.config_class
+    for config_cls in _CONFIG_CLASSES.values():
+        if config_cls.__name__ == name:
+            return config_cls
+    base_name = name.removeprefix("Alibi")
+    for model_type, row in REGISTERED.items():
+        if name.startswith("Alibi") and base_name in _base_class_names(row):
+            return next((c for c in alibi_classes(model_type).values() if c.__name__ == name), None)
     return None
 
 
 def register_builtin_architectures() -> None:
+    """Register the rows of ``hf_alibi.patches`` (idempotent); their model classes are made on first use."""
     for row in ARCHITECTURES.values():
-        if row.model_type not in _ROWS:
-            register_architecture(row)
-
-
-def is_builtin_strategy(row: Architecture) -> bool:
-    return row.strategy in BUILTIN_STRATEGIES
+        if REGISTERED.get(row.model_type) != row:
+            _register(row)

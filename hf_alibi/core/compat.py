@@ -1,5 +1,7 @@
 """Every private transformers API hf_alibi uses, in one place, each with the versions it was checked on.
 
+Last checked on transformers 5.23.0 and torch 2.13.0 (the ranges below say since when each holds).
+
 A transformers release that moves one of these breaks only this file. Public APIs (the attention and
 mask interfaces' ``register``, ``PreTrainedModel``, the Auto classes) are imported where they are used.
 """
@@ -54,15 +56,51 @@ def base_mask_function(backend: str):
     return AttentionMaskInterface._global_mapping.get(backend)
 
 
-def set_config_attn_implementation(config: PretrainedConfig, value) -> None:
-    """``PretrainedConfig._attn_implementation``'s own setter (a property; checked on 5.0 to 5.23),
-    called from a subclass that overrides the property."""
-    PretrainedConfig._attn_implementation.fset(config, value)
+class AttnImplementationOverride:
+    """Config mixin: rewrites the attention implementation that transformers dispatches on.
+
+    transformers reads ``config._attn_implementation`` (a private property of ``PretrainedConfig``;
+    checked on transformers 5.23.0, torch 2.13.0) to pick the attention and the mask function. Here it
+    answers ``self.reported_attn_implementation(stored)``, and a value set is stored as
+    ``self.accepted_attn_implementation(value)`` through ``PretrainedConfig``'s own setter (which also
+    sets the sub-configs).
+    """
+
+    def reported_attn_implementation(self, stored: str | dict | None) -> str | dict | None:
+        return stored
+
+    def accepted_attn_implementation(self, value: str | dict | None) -> str | dict | None:
+        return value
+
+    @property
+    def _attn_implementation(self):
+        return self.reported_attn_implementation(stored_attn_implementation(self))
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value):
+        PretrainedConfig._attn_implementation.fset(self, self.accepted_attn_implementation(value))
 
 
 def stored_attn_implementation(config: PretrainedConfig) -> str | dict | None:
-    """What that setter stored (``_attn_implementation_internal``; checked on 5.0 to 5.23)."""
+    """What that setter stored (``_attn_implementation_internal``; checked on transformers 5.0 to 5.23.0)."""
     return config._attn_implementation_internal
+
+
+def store_attn_implementation(config: PretrainedConfig, value: str | None) -> None:
+    """Write ``_attn_implementation_internal`` directly, without the setter (so the sub-configs keep
+    theirs; checked on transformers 5.23.0)."""
+    config._attn_implementation_internal = value
+
+
+def stored_output_attentions(config: PretrainedConfig) -> bool | None:
+    """Where ``PretrainedConfig.output_attentions`` (a property) keeps its value: ``_output_attentions``
+    (checked on transformers 5.23.0; ``to_dict`` writes it as ``output_attentions``)."""
+    return config._output_attentions
+
+
+def store_output_attentions(config: PretrainedConfig, value: bool) -> None:
+    """Set ``_output_attentions`` without ``PretrainedConfig``'s checks (checked on transformers 5.23.0)."""
+    config._output_attentions = value
 
 
 def drop_config_validators(config_class: type, names: tuple[str, ...] | None) -> None:
@@ -133,6 +171,7 @@ def is_exporting() -> bool:
 
 __all__ = [
     "AUTO_CLASSES",
+    "AttnImplementationOverride",
     "auto_class_names",
     "base_mask_function",
     "compiled_flex_attention",
@@ -144,6 +183,8 @@ __all__ = [
     "is_exporting",
     "register_recorded_outputs",
     "repeat_kv",
-    "set_config_attn_implementation",
+    "store_attn_implementation",
+    "store_output_attentions",
     "stored_attn_implementation",
+    "stored_output_attentions",
 ]

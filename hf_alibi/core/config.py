@@ -16,13 +16,16 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .compat import (
+    AttnImplementationOverride,
     auto_class_names,
     config_class_validators,
     drop_config_validators,
-    set_config_attn_implementation,
+    store_attn_implementation,
+    store_output_attentions,
     stored_attn_implementation,
+    stored_output_attentions,
 )
-from .dispatch import alibi_name, base_name
+from .names import alibi_name, base_name
 from .slopes import ENCODER_VARIANTS
 from .version import __version__
 
@@ -111,13 +114,13 @@ def get_settings(config: PretrainedConfig) -> AlibiSettings:
     return AlibiSettings.from_dict(config.alibi)
 
 
-class AlibiConfigMixin:
+class AlibiConfigMixin(AttnImplementationOverride):
     """Makes every attention dispatch of the model go through hf_alibi.
 
-    transformers reads ``config._attn_implementation`` to pick the attention function and the
-    mask function. Here it always answers ``"alibi_<backend>"`` while storing the plain backend,
-    so ``model.set_attn_implementation("eager")`` (or anything else that sets it) switches the
-    backend and keeps the bias: ALiBi cannot be dropped by accident.
+    transformers reads the config's attention implementation to pick the attention function and the
+    mask function (``compat.AttnImplementationOverride``). Here it always answers ``"alibi_<backend>"``
+    while storing the plain backend, so ``model.set_attn_implementation("eager")`` (or anything else
+    that sets it) switches the backend and keeps the bias: ALiBi cannot be dropped by accident.
     """
 
     alibi: dict | None = None
@@ -156,25 +159,24 @@ class AlibiConfigMixin:
                 output[name] = marker
         return output
 
-    @property
-    def _attn_implementation(self):
-        return alibi_name(base_name(stored_attn_implementation(self)))
+    def reported_attn_implementation(self, stored):
+        return alibi_name(base_name(stored))
 
-    @_attn_implementation.setter
-    def _attn_implementation(self, value):
-        set_config_attn_implementation(self, value if isinstance(value, dict) else base_name(value))
+    def accepted_attn_implementation(self, value):
+        return value if isinstance(value, dict) else base_name(value)
 
     @property
     def output_attentions(self):
-        return self._output_attentions
+        return stored_output_attentions(self)
 
     @output_attentions.setter
     def output_attentions(self, value: bool):
         backend = base_name(stored_attn_implementation(self))
         if value and backend is None:
-            self._attn_implementation_internal = backend = "eager"
+            backend = "eager"
+            store_attn_implementation(self, backend)
         _check_output_attentions(value, backend)
-        self._output_attentions = value
+        store_output_attentions(self, value)
 
     def validate(self) -> None:
         """transformers' checks of this config (``save_pretrained`` runs them), each as the base class
@@ -205,6 +207,7 @@ def alibi_config_class(
     base_model_type: str,
     removed_fields: tuple[str, ...] | None = (),
     module: str = __name__,
+    bases: tuple[type, ...] = (),
 ) -> type[PretrainedConfig]:
     """The ``Alibi<Base>Config`` subclass of ``base_config_class`` (made once per module, then cached).
 
@@ -212,7 +215,8 @@ def alibi_config_class(
     ``None`` (in memory) or the marker (in config.json), never silently an int the base reads.
     ``None`` means unknown (remote code loading a user's row): the fields holding the marker are
     found when the config is read, and the base class's strict type validators are all dropped.
-    ``module`` is the ``__module__`` the class reports (where it can be imported from).
+    ``module`` is the ``__module__`` the class reports (where it can be imported from); ``bases`` go
+    first (hf_alibi's registry adds one that registers the model classes when a config is made).
     """
     if issubclass(base_config_class, AlibiConfigMixin):  # already one (e.g. T5's stack configs on reload)
         return base_config_class
@@ -231,7 +235,7 @@ def alibi_config_class(
             **{field_name: None for field_name in known},
             "__doc__": f"{base_config_class.__name__} with ALiBi settings (``alibi``), made by hf_alibi.",
         }
-        cls = type(name, (AlibiConfigMixin, base_config_class), namespace)
+        cls = type(name, (*bases, AlibiConfigMixin, base_config_class), namespace)
         # The base class's strict validators demand an int in the removed fields: not here.
         drop_config_validators(cls, None if removed_fields is None else known)
         _CONFIG_CLASSES[(base_config_class, module)] = cls

@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -29,10 +28,9 @@ from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .mask import bias_mask
+from .names import alibi_name
 from .slopes import CAUSAL
 
-LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
-PREFIX = LIBRARY_PREFIX if __name__.startswith("hf_alibi.") else REMOTE_PREFIX
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
 # H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
 FOLD_MIN_QUERIES = 32
@@ -136,8 +134,9 @@ def _unsupported_backend(name: str) -> Callable:
     return forward
 
 
-# backend name -> attention function that receives the merged float mask (bias + padding + causality)
-BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward}
+# backend name -> attention function that receives the merged float mask (bias + padding + causality);
+# sdpa is transformers' own function, found under its public name
+BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
 # backends that apply the bias themselves, from the slopes (no bias tensor)
 NATIVE_BACKENDS: dict[str, Callable] = {
     "flex_attention": flex_alibi_attention,
@@ -146,20 +145,6 @@ NATIVE_BACKENDS: dict[str, Callable] = {
 # transformers' names that hf_alibi knows of but cannot run with ALiBi yet: a clear error
 # instead of transformers' "not a valid attention implementation".
 UNSUPPORTED_BACKENDS = ("flash_attention_3", "flash_attention_4")
-
-
-def alibi_name(backend: str | None) -> str | None:
-    """``"sdpa"`` -> ``"alibi_sdpa"`` (this copy's prefix); already prefixed names and ``None`` pass through."""
-    if backend is None or backend.startswith(LIBRARY_PREFIX):
-        return backend
-    return PREFIX + backend
-
-
-def base_name(name: str | None) -> str | None:
-    """``"alibi_sdpa"`` or ``"alibi_remote_sdpa"`` -> ``"sdpa"``."""
-    if name is None:
-        return None
-    return name.removeprefix(REMOTE_PREFIX).removeprefix(LIBRARY_PREFIX)
 
 
 def register_backends() -> None:

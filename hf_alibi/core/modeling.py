@@ -8,7 +8,7 @@ import transformers
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .architectures import Architecture, check_strategy, get_architecture
+from .architectures import Architecture, check_strategy, find_architecture
 from .bias import AlibiBias
 from .compat import register_recorded_outputs
 from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
@@ -18,14 +18,14 @@ from .strategies import STRATEGIES, find_modules
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
-    """The row a converted model is built with: the one saved in its settings, else the built-in one."""
+    """The row a converted model is built with: the one saved in its settings, else the one registered here."""
     if settings.architecture is not None:
         return Architecture.from_dict(settings.architecture)
-    row = get_architecture(settings.base_model_type)
+    row = find_architecture(settings.base_model_type)
     if row is None:
         raise ValueError(
-            f"This ALiBi checkpoint of {settings.base_model_type!r} records no architecture row, and this hf_alibi "
-            "has none built in: import the code that registered it (hf_alibi.register_architecture) first."
+            f"This ALiBi checkpoint of {settings.base_model_type!r} records no architecture row, and none is "
+            "registered: import hf_alibi, and the code that registered it (hf_alibi.register_architecture), first."
         )
     return row
 
@@ -67,7 +67,9 @@ def _alibi_sub_configs(model: PreTrainedModel) -> None:
     # Submodules may hold copies of the model's config (T5's stacks, with is_decoder set); transformers
     # reads the attention implementation from those, so each gets an ALiBi copy of its own.
     config = model.config
-    base_class = next(c for c in type(config).__mro__[1:] if not issubclass(c, AlibiConfigMixin))
+    base_class = next(
+        c for c in type(config).__mro__[1:] if issubclass(c, PretrainedConfig) and not issubclass(c, AlibiConfigMixin)
+    )
     copies: dict[int, PretrainedConfig] = {}
     for module in model.modules():
         old = getattr(module, "config", None)
@@ -140,13 +142,14 @@ def class_by_name(name: str, module: str) -> type:
     """``AlibiGPT2LMHeadModel``, ``AlibiGPT2Config``, ...: made from transformers' class of that name.
 
     What the entry module of a checkpoint answers for the names ``auto_map`` gives. A config class of a
-    type without a built-in row finds its removed fields in config.json (see ``alibi_config_class``).
+    type without a row registered in this process (always so in remote code) finds its removed fields
+    in config.json (see ``alibi_config_class``).
     """
     base = getattr(transformers, name.removeprefix("Alibi"), None) if name.startswith("Alibi") else None
     if not isinstance(base, type) or not issubclass(base, (PretrainedConfig, PreTrainedModel)):
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     config_base = base if issubclass(base, PretrainedConfig) else base.config_class
-    row = get_architecture(config_base.model_type)
+    row = find_architecture(config_base.model_type)
     removed = row.removed_config_fields if row is not None else None
     config_cls = alibi_config_class(config_base, config_base.model_type, removed, module)
     return config_cls if base is config_base else alibi_model_class(base, config_cls, module)

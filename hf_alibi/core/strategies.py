@@ -138,9 +138,12 @@ def _default_token_types(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-# name -> strategy; a row names one. hf_alibi.register_strategy adds custom ones (not saved with checkpoints).
+# name -> strategy; a row names one. hf_alibi.register_architecture(row, strategy=...) adds custom ones
+# (not saved with checkpoints).
 STRATEGIES: dict[str, Callable[[nn.Module, tuple[str, ...]], None]] = {
     "absolute": absolute,
     "rotary": rotary,
     "relative": relative,
 }
+# The strategies a checkpoint's remote code has: custom ones need the code that registered them.
+BUILTIN_STRATEGIES = frozenset(STRATEGIES)

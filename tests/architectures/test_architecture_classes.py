@@ -4,6 +4,7 @@ import torch
 import transformers
 from arch_cases import _BERT, CASES
 from reference import bert_reference_logits, gpt2_reference_logits
+from sharing import last_json_line, run_python
 from tiny import random_ids, tiny_gpt2
 
 import hf_alibi
@@ -63,3 +64,33 @@ def test_gpt2_in_bf16_at_16x_n_positions_stays_close_to_the_fp32_reference():
         reference = gpt2_reference_logits(model.float(), ids)
     assert torch.isfinite(logits).all()
     assert (logits - reference).abs().max() < 0.25  # bf16 has 8 mantissa bits
+
+
+def test_hf_alibi_models_names_make_their_classes_on_first_use(tmp_path):
+    result = run_python(
+        """
+        import json, sys, transformers, hf_alibi
+        def modeling():
+            return sorted(m for m in sys.modules if m.startswith("transformers.models.llama.modeling"))
+        before = modeling()
+        cls, config_cls = hf_alibi.models.AlibiLlamaForCausalLM, hf_alibi.models.AlibiLlamaConfig
+        config = config_cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, alibi={"base_model_type": "llama", "heads": 4})
+        try:
+            hf_alibi.models.AlibiNoSuchModel
+            missing = "resolved"
+        except AttributeError as error:
+            missing = str(error)
+        print(json.dumps({
+            "before": before, "after": modeling(), "base": cls.__bases__[-1] is transformers.LlamaForCausalLM,
+            "config": cls.config_class is config_cls, "missing": missing,
+            "auto": type(transformers.AutoModelForCausalLM.from_config(config)) is cls,
+        }))
+        """,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = last_json_line(result.stdout)
+    assert report["before"] == [] and report["after"] == ["transformers.models.llama.modeling_llama"], report
+    assert report["base"] and report["config"] and report["auto"], report
+    assert "has no attribute 'AlibiNoSuchModel'" in report["missing"], report

@@ -4,13 +4,17 @@ No silent claims of "all": every model type whose modeling file builds a ``rotar
 and has no row is printed, so the uncovered set is known.
 """
 
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import transformers
+from arch_cases import CASES
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import hf_alibi
+import hf_alibi.patches
 
 MODELS = Path(transformers.__file__).parent / "models"
 
@@ -42,3 +46,17 @@ def test_uncovered_rotary_models_are_listed(capsys):
             f"transformers model types with a rotary_emb; not covered ({len(uncovered)}): {', '.join(uncovered)}"
         )
     assert all(t in CONFIG_MAPPING_NAMES for t in uncovered)
+
+
+def test_patches_the_registry_and_the_test_cases_list_the_same_architectures():
+    modules = {info.name: importlib.import_module(f"hf_alibi.patches.{info.name}")
+               for info in pkgutil.iter_modules(hf_alibi.patches.__path__)}  # fmt: skip
+    assert sorted(modules) == ["absolute", "relative", "rotary"]
+    rows = [row for module in modules.values() for row in module.ROWS]
+    types = sorted(row.model_type for row in rows)
+    assert len(types) == len(set(types)), types  # no type in two rows
+    assert types == hf_alibi.supported_model_types() == sorted({case.model_type for case in CASES})
+    for name, module in modules.items():  # one file per strategy
+        assert {row.strategy for row in module.ROWS} == {name}
+    for row in rows:
+        assert hf_alibi.get_architecture(row.model_type) is row

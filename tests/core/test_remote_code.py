@@ -13,6 +13,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
 from hf_alibi.core import modeling_alibi
+from hf_alibi.core.architectures import find_architecture
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
 from hf_alibi.registry import alibi_classes
 
@@ -48,12 +49,13 @@ def test_remote_code_imports_only_torch_transformers_the_stdlib_and_its_siblings
                 assert node.level == 1 and node.module in siblings, (path.name, node.module)
 
 
-def test_the_core_table_is_the_registry():
+def test_the_core_and_the_registry_answer_with_one_row():
     assert sorted(hf_alibi.ARCHITECTURES) == hf_alibi.supported_model_types()
     # every row is in tests/arch_cases.py (test_architectures.py checks it); the full cases run here
     assert {case.model_type for case in TINY} <= set(hf_alibi.supported_model_types())
     for model_type, row in hf_alibi.ARCHITECTURES.items():
-        assert hf_alibi.get_architecture(model_type) == row
+        assert hf_alibi.get_architecture(model_type) is row and find_architecture(model_type) is row
+    assert find_architecture("mamba") is None  # the core's answer where the registry raises
 
 
 def long_inputs(case, model) -> dict:

@@ -1,0 +1,67 @@
+"""Start-up cost of hf_alibi: ``import hf_alibi`` and ``hf-alibi --help`` against their baseline.
+
+Each measurement is a fresh interpreter; the variants run interleaved, ``--repeats`` times, and the
+median is printed (wall seconds, and CPU seconds of the child, which a busy machine disturbs less).
+The baseline is what hf_alibi cannot avoid: ``import torch`` and ``from transformers import
+PreTrainedModel``. To see where the time goes: ``python -X importtime -c "import hf_alibi"``.
+
+    PYTHONPATH=$PWD python benchmarks/import_time.py --repeats 5
+    python benchmarks/import_time.py --root /path/to/another/checkout   # the same for another copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = """
+import resource, sys, time
+start = time.perf_counter()
+{body}
+wall = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print("RESULT", wall, usage.ru_utime + usage.ru_stime)
+"""
+VARIANTS = {
+    "baseline": "import torch\nfrom transformers import PreTrainedModel",
+    "import hf_alibi": "import torch\nfrom transformers import PreTrainedModel\nimport hf_alibi",
+    "hf-alibi --help": "from hf_alibi.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+}
+
+
+def run_once(body: str, root: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh interpreter running ``body``."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(body=body)], env=env, cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    _, wall, cpu = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
+    return float(wall), float(cpu)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="checkout to time")
+    args = parser.parse_args()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.repeats):
+        for name, body in VARIANTS.items():
+            times[name].append(run_once(body, args.root))
+    medians = {name: [statistics.median(t[i] for t in runs) for i in (0, 1)] for name, runs in times.items()}
+    base_wall, base_cpu = medians["baseline"]
+    print(f"{args.root}: median of {args.repeats} fresh interpreters (interleaved)")
+    print("| what | wall s | CPU s | wall / baseline | CPU / baseline |")
+    print("|---|---|---|---|---|")
+    for name, (wall, cpu) in medians.items():
+        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {wall / base_wall:.3f} | {cpu / base_cpu:.3f} |")
+    print(json.dumps({"root": str(args.root), "repeats": args.repeats, "medians": medians}))
+
+
+if __name__ == "__main__":
+    main()
