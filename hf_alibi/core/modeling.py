@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from functools import partial
 
+import torch
 import transformers
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -12,8 +15,8 @@ from .architectures import Architecture, check_strategy, get_architecture
 from .bias import AlibiBias
 from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .mask import MaskCache
-from .slopes import CAUSAL
-from .strategies import STRATEGIES, find_modules
+from .slopes import CAUSAL, scaled_slopes_list
+from .strategies import STRATEGIES, find_modules, rotary
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -35,19 +38,65 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     (causal, or the encoder variant where the row is bidirectional and the module is not causal),
     position ids are dropped, and the layers share one mask cache for the length of a forward."""
     check_strategy(row)
+    check_sinks_fit(model.config, settings)
     base = model.base_model
-    STRATEGIES[row.strategy](base, row.position)
+    if settings.rotary_max_wavelength is not None:  # validated: a rotary row
+        rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
+    else:
+        STRATEGIES[row.strategy](base, row.position)
     masks = MaskCache()
+    slopes = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
     for path in row.attention:
         for _, _, attention in find_modules(base, path):
             causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
-            attention.alibi = AlibiBias(CAUSAL if causal else settings.encoder_variant, settings.heads, masks=masks)
+            kind = CAUSAL if causal else settings.encoder_variant
+            attention.alibi = AlibiBias(kind, settings.heads, masks=masks, slopes=slopes, sinks=settings.sinks)
     _alibi_sub_configs(model)
     # On the base model and on the model itself: some task heads run the base's inner stack directly
     # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
     for module in dict.fromkeys([base, model]):
         module.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        if settings.sinks:
+            module.register_forward_pre_hook(partial(_record_rows, masks), with_kwargs=True)
         module.register_forward_hook(masks.release)  # the shared masks live for one forward only
+
+
+def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
+    """Sinks are placed by the model's one ``attention_mask``: an encoder-decoder has two (not yet)."""
+    if settings.sinks and getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"sinks={settings.sinks} is not supported for encoder-decoder models ({settings.base_model_type}) yet: "
+            "its encoder and decoder are padded separately. Use sinks=0."
+        )
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Sinks are the first real tokens of each row: where the 2D padding mask's ones start (left
+    # padding), and the sequence's end (the mask's length: past + new tokens), which places the keys
+    # of static caches (more slots than tokens) and sliding caches (fewer). Recorded for this forward.
+    values = kwargs
+    if "attention_mask" not in kwargs and args:  # passed by position: bind to the forward's signature
+        signature = _FORWARD_SIGNATURES.get(type(module))
+        if signature is None:
+            signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(type(module).forward)
+        try:
+            values = {**signature.bind_partial(module, *args, **kwargs).arguments, **kwargs}
+        except TypeError:
+            values = kwargs
+    mask = values.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
+        return
+    end = None
+    tokens = values.get("input_ids")
+    tokens = tokens if tokens is not None else values.get("inputs_embeds")
+    cache = values.get("past_key_values")
+    if tokens is not None and cache is not None and hasattr(cache, "get_seq_length"):
+        end = cache.get_seq_length() + tokens.shape[1]
+    masks.set_rows(None, end)
 
 
 def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, alibi_class: type) -> None:
