@@ -90,13 +90,18 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
         return
-    end = None
+    starts = end = None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # (B, 1, q, kv), e.g. generate() with a static cache
+        # a row's first key that some query may see; padding is hidden from every query. (A sliding
+        # window hides old keys too: with a 4D mask, sinks are exact only while they are in the window.)
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        starts = allowed.any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
     tokens = values.get("input_ids")
     tokens = tokens if tokens is not None else values.get("inputs_embeds")
     cache = values.get("past_key_values")
     if tokens is not None and cache is not None and hasattr(cache, "get_seq_length"):
-        end = cache.get_seq_length() + tokens.shape[1]
-    masks.set_rows(None, end)
+        end = int(cache.get_seq_length()) + tokens.shape[1]
+    masks.set_rows(starts, end)
 
 
 def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, alibi_class: type) -> None:
