@@ -251,3 +251,40 @@ def test_flash_attention_refuses_sinks_with_a_clear_error():
     q = torch.zeros(1, 4, 3, 8)
     with pytest.raises(NotImplementedError, match="flash-attn's ALiBi cannot exempt the first 1 keys"):
         flash_alibi_attention(attention, q, q[:, :2], q[:, :2], None)
+
+
+LOAD_WITHOUT_HF_ALIBI = """
+import json, sys, torch, transformers
+expected = torch.load("expected.pt")
+model = transformers.AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True).eval()
+report = {"hf_alibi": "hf_alibi" in sys.modules, "rotary": type(model.model.rotary_emb).__name__}
+for backend in ("sdpa", "eager"):
+    model.set_attn_implementation(backend)
+    with torch.no_grad():
+        logits = model(input_ids=expected["ids"], attention_mask=expected["mask"]).logits
+    report[backend] = (logits - expected["logits"]).abs().max().item()
+generated = model.generate(input_ids=expected["ids"], attention_mask=expected["mask"], max_new_tokens=6, do_sample=False)
+report["generated"] = torch.equal(generated, expected["generated"])
+print(json.dumps(report))
+"""
+
+
+def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
+    from sharing import last_json_line, run_child
+
+    model = hf_alibi.patch_model(make("llama"), preset="pretrained")
+    ids, mask = left_padded()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    # the options matter on this input: the paper's conversion of the same weights gives other logits
+    with torch.no_grad():
+        plain = hf_alibi.patch_model(make("llama"))(input_ids=ids, attention_mask=mask).logits
+    assert (plain - logits).abs().max() > 1e-2
+    model.save_pretrained(tmp_path)
+    torch.save({"ids": ids, "mask": mask, "logits": logits, "generated": generated}, tmp_path / "expected.pt")
+    result = run_child(LOAD_WITHOUT_HF_ALIBI, tmp_path, tmp_path / "hf", block_hf_alibi=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = last_json_line(result.stdout)
+    assert report["hf_alibi"] is False and report["rotary"] == "RetainedRotary", report
+    assert report["sdpa"] <= 1e-5 and report["eager"] <= 1e-5 and report["generated"], report
