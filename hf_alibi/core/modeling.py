@@ -73,6 +73,17 @@ def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
 _FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
 
 
+def _all_layers_slide(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return "full_attention" not in layer_types
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def masks_sinks(module: nn.Module) -> int:
+    return next((m.sinks for m in module.modules() if isinstance(m, AlibiBias)), 0)
+
+
 def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> None:
     # Sinks are the first real tokens of each row: where the 2D padding mask's ones start (left
     # padding), and the sequence's end (the mask's length: past + new tokens), which places the keys
@@ -91,9 +102,17 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
         masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
         return
     starts = end = None
+    if isinstance(mask, dict):  # one 4D mask per layer type (generate() with a static cache, mixed layers)
+        mask = mask.get("full_attention", next(iter(mask.values()), None))
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and _all_layers_slide(module.config):
+        raise ValueError(
+            f"sinks={masks_sinks(module)} with a 4D attention mask on a sliding-window model: the mask cannot "
+            "tell padding from keys outside the window. Pass the 2D attention_mask (generate() with the default "
+            "dynamic cache does), or convert with sinks=0."
+        )
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # (B, 1, q, kv), e.g. generate() with a static cache
-        # a row's first key that some query may see; padding is hidden from every query. (A sliding
-        # window hides old keys too: with a 4D mask, sinks are exact only while they are in the window.)
+        # a row's first key that some query may see: padding is hidden from every query (and, on a full
+        # attention layer's mask, nothing else is)
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         starts = allowed.any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
     tokens = values.get("input_ids")

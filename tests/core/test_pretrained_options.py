@@ -263,7 +263,8 @@ for backend in ("sdpa", "eager"):
     with torch.no_grad():
         logits = model(input_ids=expected["ids"], attention_mask=expected["mask"]).logits
     report[backend] = (logits - expected["logits"]).abs().max().item()
-generated = model.generate(input_ids=expected["ids"], attention_mask=expected["mask"], max_new_tokens=6, do_sample=False)
+inputs = {"input_ids": expected["ids"], "attention_mask": expected["mask"]}
+generated = model.generate(**inputs, max_new_tokens=6, do_sample=False)
 report["generated"] = torch.equal(generated, expected["generated"])
 print(json.dumps(report))
 """
@@ -288,3 +289,37 @@ def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
     report = last_json_line(result.stdout)
     assert report["hf_alibi"] is False and report["rotary"] == "RetainedRotary", report
     assert report["sdpa"] <= 1e-5 and report["eager"] <= 1e-5 and report["generated"], report
+
+
+def sliding(model_type: str, **extra):
+    torch.manual_seed(0)
+    config = transformers.CONFIG_MAPPING[model_type](**ROTARY, sliding_window=8, **extra)
+    names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model = getattr(transformers, names[model_type])(config).eval()
+    return hf_alibi.patch_model(model, **options_for("llama"))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "caches"),
+    [
+        ("mistral", {}, ("dynamic",)),  # every layer slides: the static cache's 4D mask is refused (below)
+        ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"]), ("dynamic", "static")),
+    ],
+)
+def test_sliding_windows_cached_generation_equals_recomputation(model_type, extra, caches):
+    model = sliding(model_type, **extra)
+    ids, mask = left_padded(length=12)  # 12 + 14 tokens: the sinks leave the window of 8
+    options = dict(max_new_tokens=14, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    recomputed = model.generate(input_ids=ids, attention_mask=mask, use_cache=False, **options)
+    for cache in caches:
+        extra_options = {"cache_implementation": "static"} if cache == "static" else {}
+        cached = model.generate(input_ids=ids, attention_mask=mask, **options, **extra_options)
+        difference = max((a - b).abs().max().item() for a, b in zip(cached.logits, recomputed.logits))
+        assert difference < 2e-5, (cache, difference)
+
+
+def test_a_4d_mask_on_a_sliding_window_model_with_sinks_is_refused():
+    model = sliding("mistral")
+    ids, mask = left_padded(length=12)
+    with pytest.raises(ValueError, match="sinks=2 with a 4D attention mask on a sliding-window model"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static")
