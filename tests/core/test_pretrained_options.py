@@ -323,3 +323,32 @@ def test_a_4d_mask_on_a_sliding_window_model_with_sinks_is_refused():
     ids, mask = left_padded(length=12)
     with pytest.raises(ValueError, match="sinks=2 with a 4D attention mask on a sliding-window model"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_sink_fold_in_every_dtype_against_the_reference(dtype, masked):
+    from hf_alibi.core.folded import folded_causal_attention
+
+    batch, heads, length, dim, sinks = 2, 4, 256, 16, 3
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(batch, heads, length, dim, generator=generator) for _ in range(3))
+    slopes = [0.5 * s for s in fairseq_slopes(heads)]
+    starts = [0, 37] if masked else [0, 0]
+    real = torch.tensor([[j >= start for j in range(length)] for start in starts])  # (B, kv)
+    mask = (real[:, None, None, :] & torch.ones(length, length, dtype=torch.bool).tril()) if masked else None
+    bias = torch.zeros(batch, heads, length, length, dtype=torch.float64)  # by hand, vectorised over (i, j)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    for b, start in enumerate(starts):
+        for h, m in enumerate(slopes):
+            value = (-m * (i - j)).double().masked_fill((j >= start) & (j < start + sinks), 0.0)
+            bias[b, h] = value.masked_fill((j > i) | (j < start), float("-inf"))
+    weights = torch.nan_to_num(torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / 4 + bias, -1))
+    expected = torch.einsum("bhqk,bhkd->bqhd", weights, v.double())
+    out, _ = folded_causal_attention(
+        None, q.to(dtype), k.to(dtype), v.to(dtype), mask, torch.tensor(slopes), scaling=0.25, sinks=sinks,
+        starts=torch.tensor(starts) if masked else None,
+    )  # fmt: skip
+    rows = real[:, :, None, None].expand_as(expected)  # padded queries see nothing: not compared
+    tolerance = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert (out.double() - expected)[rows].abs().max() < tolerance
