@@ -162,9 +162,8 @@ def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_m
     for layer in base.encoder.layer:
         attn = layer.attention.self
         q, k, v = (_heads(proj(hidden), n_head) for proj in (attn.query, attn.key, attn.value))
-        if bias is None:
-            bias = layer_bias(kind, n_head, length, length, getattr(attn, "alibi", None))
-        out = _merge(reference_attention(q, k, v, bias, q.shape[-1] ** -0.5, padding), hidden.dtype)
+        this_bias = layer_bias(kind, n_head, length, length, getattr(attn, "alibi", None)) if bias is None else bias
+        out = _merge(reference_attention(q, k, v, this_bias, q.shape[-1] ** -0.5, padding), hidden.dtype)
         attn_out = layer.attention.output(out, hidden)  # dense, then LayerNorm(x + residual)
         hidden = layer.output(layer.intermediate(attn_out), attn_out)
     head = model.cls if hasattr(model, "cls") else model.lm_head
