@@ -65,7 +65,7 @@ def reference_attention(q, k, v, bias, scaling, key_padding=None):
     return torch.einsum("bhqk,bhkd->bhqd", weights, v.double())
 
 
-def gpt2_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+def gpt2_reference_logits(model, input_ids: torch.Tensor, bias: torch.Tensor | None = None, key_padding=None):
     """Logits of a converted GPT-2 computed by hand: no wpe, attention with -m|i-j| (float64 attention).
 
     Uses the model's LayerNorms, projections and MLPs as plain functions; the attention and the
@@ -77,7 +77,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     hidden = base.wte(input_ids)
     batch, length, width = hidden.shape
     head_dim = width // n_head
-    bias = explicit_bias("causal", slopes, length, length)
+    bias = explicit_bias("causal", slopes, length, length) if bias is None else bias
     for layer_idx, block in enumerate(base.h):
         attn = block.attn
         x = block.ln_1(hidden)
@@ -86,7 +86,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         scaling = head_dim**-0.5 if model.config.scale_attn_weights else 1.0
         if model.config.scale_attn_by_inverse_layer_idx:
             scaling /= float(layer_idx + 1)
-        out = reference_attention(q, k, v, bias, scaling).to(hidden.dtype)
+        out = torch.nan_to_num(reference_attention(q, k, v, bias, scaling, key_padding)).to(hidden.dtype)
         out = out.transpose(1, 2).reshape(batch, length, width)
         hidden = hidden + attn.c_proj(out)
         hidden = hidden + block.mlp(block.ln_2(hidden))
@@ -151,7 +151,7 @@ def gpt_neox_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(base.final_layer_norm(hidden))
 
 
-def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_mask=None) -> torch.Tensor:
+def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_mask=None, bias=None) -> torch.Tensor:
     """A converted BERT / RoBERTa masked LM by hand: word + token-type embeddings only, ``kind`` bias."""
     base = model.base_model
     n_head = model.config.num_attention_heads
@@ -162,8 +162,8 @@ def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_m
     for layer in base.encoder.layer:
         attn = layer.attention.self
         q, k, v = (_heads(proj(hidden), n_head) for proj in (attn.query, attn.key, attn.value))
-        bias = layer_bias(kind, n_head, length, length, getattr(attn, "alibi", None))
-        out = _merge(reference_attention(q, k, v, bias, q.shape[-1] ** -0.5, padding), hidden.dtype)
+        this_bias = layer_bias(kind, n_head, length, length, getattr(attn, "alibi", None)) if bias is None else bias
+        out = _merge(reference_attention(q, k, v, this_bias, q.shape[-1] ** -0.5, padding), hidden.dtype)
         attn_out = layer.attention.output(out, hidden)  # dense, then LayerNorm(x + residual)
         hidden = layer.output(layer.intermediate(attn_out), attn_out)
     head = model.cls if hasattr(model, "cls") else model.lm_head
@@ -260,5 +260,75 @@ def rotary_reference_logits(make_original, model, input_ids, attention_mask=None
     for name, buffer in reference.named_buffers():
         if name.endswith("inv_freq"):
             buffer.zero_()
+    reference = reference.to(torch.float32).eval()
+    return reference(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+# --- the options for pretrained checkpoints (sinks, retained rotary frequencies, scaled slopes) --------------
+
+
+def first_real_tokens(attention_mask: torch.Tensor | None, batch: int) -> list[int]:
+    """Where each row's real tokens start, by a loop over the 2D mask (0 without a mask)."""
+    if attention_mask is None:
+        return [0] * batch
+    return [next(j for j, m in enumerate(row.tolist()) if m) for row in attention_mask]
+
+
+def sink_bias(kind: str, slopes: list[float], length: int, sinks: int, starts: list[int]) -> torch.Tensor:
+    """(B, H, L, L) float64, written with loops: the ALiBi bias of ``kind`` (causal, symmetric or
+    nonsymmetric) with the keys ``starts[b] <= j < starts[b] + sinks`` at 0 wherever they may be seen."""
+    n = len(slopes)
+    out = torch.zeros(len(starts), n, length, length, dtype=torch.float64)
+    for b, start in enumerate(starts):
+        for h in range(n):
+            for i in range(length):
+                for j in range(length):
+                    if (kind == "causal" and j > i) or (
+                        kind == "nonsymmetric" and ((h < n // 2 and j > i) or (h >= n // 2 and j < i))
+                    ):
+                        out[b, h, i, j] = NEG
+                    elif start <= j < start + sinks:
+                        out[b, h, i, j] = 0.0
+                    else:
+                        out[b, h, i, j] = -slopes[h] * abs(i - j)
+    return out
+
+
+def register_sink_reference(name: str, bias: torch.Tensor) -> None:
+    """Register ``name`` as a reference attention adding ``bias`` ((B, H, L, L) float64, no cache) to
+    transformers' eager mask (causality, padding), float64 softmax, grouped KV heads shared by hand."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        rep = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(rep, dim=1).double(), value.repeat_interleave(rep, dim=1).double()
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scaling + bias
+        if attention_mask is not None:
+            scores = scores + attention_mask.double()
+        weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
+        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(query.dtype), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+
+
+def retained_rotary_reference_logits(make_original, model, input_ids, attention_mask, bias, max_wavelength, theta):
+    """Logits of a rotary decoder converted with sinks / slopes (in ``bias``) and a rotary bound: its
+    original architecture with the same weights, the inverse frequencies recomputed from ``theta``
+    (``1 / theta^(2k/d)`` over the rotary width) and those of wavelength ``2 pi / f > max_wavelength``
+    set to 0 (no rotation), and the reference attention with ``bias``."""
+    name = "hf_alibi_tests_sink_reference"
+    register_sink_reference(name, bias)
+    reference = make_original(attn_implementation=name)
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("inv_freq" in n for n in missing), (missing, unexpected)
+    for buffer_name, buffer in reference.named_buffers():
+        if buffer_name.endswith("inv_freq"):
+            width = 2 * buffer.shape[0]
+            freq = [1.0 / theta ** (2 * k / width) for k in range(width // 2)]
+            kept = [f if 2 * math.pi / f <= max_wavelength else 0.0 for f in freq]
+            buffer.copy_(torch.tensor(kept, dtype=buffer.dtype))
     reference = reference.to(torch.float32).eval()
     return reference(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -7,7 +7,7 @@ from torch import nn
 
 from .compat import is_exporting
 from .mask import MaskCache
-from .slopes import BIAS_KINDS, CAUSAL, LEARNED, alibi_bias, get_slopes
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, alibi_bias, get_slopes_list
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
 # into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
@@ -29,17 +29,33 @@ class AlibiBias(nn.Module):
     ``last_path`` records the path the latest call took ("folded", "bias", "flex" or "flash").
     ``masks`` is the :class:`MaskCache` the layers of one model share (one per model, made by the
     conversion; a layer built on its own gets its own).
+    ``slopes`` (the fixed forms' slopes, one per head; default the paper's) and ``sinks`` (the first
+    ``sinks`` real keys of each row carry no penalty; the row starts come from ``masks.rows()``, set
+    per forward by the conversion's pre-hook) are the settings of ``AlibiSettings`` of those names.
 
     >>> AlibiBias("causal", 4)
     AlibiBias(kind='causal', num_heads=4, path='auto')
     """
 
-    def __init__(self, kind: str, num_heads: int, path: str = AUTO, masks: MaskCache | None = None):
+    def __init__(
+        self,
+        kind: str,
+        num_heads: int,
+        path: str = AUTO,
+        masks: MaskCache | None = None,
+        *,
+        slopes: list[float] | None = None,
+        sinks: int = 0,
+    ):
         super().__init__()
         if kind not in BIAS_KINDS:
             raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
+        if slopes is not None and len(slopes) != num_heads:
+            raise ValueError(f"ALiBi needs one slope per head: {num_heads}, got {len(slopes)}.")
         self.kind = kind
         self.num_heads = num_heads
+        self.slope_values = tuple(get_slopes_list(num_heads) if slopes is None else (float(s) for s in slopes))
+        self.sinks = sinks
         self.path = path
         self.last_path: str | None = None
         self.masks = MaskCache() if masks is None else masks
@@ -57,24 +73,29 @@ class AlibiBias(nn.Module):
                 self.slopes_right.normal_(-2.0, 1.0)
 
     def fixed_slopes(self, device: torch.device) -> torch.Tensor:
-        """The paper's slopes, float32 ``(H,)``, made once per device (per call while traced: a graph
-        holds them as a constant, and a dict filled during tracing would fail its guard and recompile)."""
+        """The fixed forms' slopes (the paper's unless set), float32 ``(H,)``, made once per device (per
+        call while traced: a graph holds them as a constant, and a dict filled during tracing would fail
+        its guard and recompile)."""
         if is_exporting():
-            return get_slopes(self.num_heads, device=device)
+            return torch.tensor(self.slope_values, dtype=torch.float32, device=device)
         slopes = self._slopes_by_device.get(device)
         if slopes is None:
-            slopes = self._slopes_by_device[device] = get_slopes(self.num_heads, device=device)
+            slopes = torch.tensor(self.slope_values, dtype=torch.float32, device=device)
+            self._slopes_by_device[device] = slopes
         return slopes
 
     def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
-        """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``."""
+        """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``
+        (``(B, H, q, kv)`` with sinks on left-padded rows)."""
+        starts, end = self.masks.rows() if self.sinks else (None, None)
+        sinks = dict(sinks=self.sinks, starts=starts, end=end)
         if self.kind == LEARNED:
             left, right = self.learned_slopes()
-            return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value)
-        if self.kind == CAUSAL and q_len == 1:  # a decoding step: every key is in the past
+            return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value, **sinks)
+        if self.kind == CAUSAL and q_len == 1 and not self.sinks:  # a decoding step: every key is in the past
             distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
             return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
-        return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value)
+        return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value, **sinks)
 
     @property
     def path(self) -> str:
@@ -95,7 +116,8 @@ class AlibiBias(nn.Module):
             raise ValueError(f"ALiBi was set up for {self.num_heads} heads but this layer computes {query.shape[1]}.")
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}"
+        extra = f", sinks={self.sinks}" if self.sinks else ""
+        return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}{extra}"
 
 
 def set_attention_path(model: nn.Module, path: str) -> nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,27 @@ class AlibiSettings:
         },
     )
     hf_alibi_version: str = field(default=__version__, metadata={"help": "hf_alibi version that converted it."})
+    # The options for pretrained checkpoints (hf_alibi.patch_model(..., preset="pretrained")); the
+    # defaults are the paper's method, which is what checkpoints without these keys were made with.
+    sinks: int = field(
+        default=0,
+        metadata={
+            "help": "The first `sinks` real tokens of each sequence carry no distance penalty (bias 0 for "
+            "every query that may see them), so a pretrained model keeps its attention sink. 0: the paper."
+        },
+    )
+    rotary_max_wavelength: float | None = field(
+        default=None,
+        metadata={
+            "help": "Rotary rows only: keep the rotary frequencies whose wavelength 2*pi/inv_freq is at most "
+            "this (the others are removed: cos=1, sin=0). None: remove the rotary embedding entirely."
+        },
+    )
+    slope_scale: float = field(default=1.0, metadata={"help": "Multiplies the paper's slopes (1.0: the paper)."})
+    slopes: list[float] | None = field(
+        default=None,
+        metadata={"help": "Explicit per-head slopes (one per head, positive), instead of the paper's x slope_scale."},
+    )
 
     def __post_init__(self):
         if self.encoder_variant is not None and self.encoder_variant not in ENCODER_VARIANTS:
@@ -87,6 +109,11 @@ class AlibiSettings:
                 f"encoder_variant must be one of {ENCODER_VARIANTS} (or None for decoder-only models), "
                 f"got {self.encoder_variant!r}."
             )
+        check_pretrained_options(
+            self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture
+        )
+        if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
+            object.__setattr__(self, "slopes", [float(s) for s in self.slopes])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(sorted(dataclasses.asdict(self).items()))
@@ -98,6 +125,55 @@ class AlibiSettings:
         if unknown:
             raise ValueError(f"Unknown ALiBi settings {sorted(unknown)} in config.alibi; known: {sorted(known)}.")
         return cls(**data)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_pretrained_options(
+    heads: int,
+    sinks: int,
+    rotary_max_wavelength: float | None,
+    slope_scale: float,
+    slopes: list[float] | None,
+    architecture: dict | None = None,
+) -> None:
+    """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
+
+    >>> check_pretrained_options(4, sinks=-1, rotary_max_wavelength=None, slope_scale=1.0, slopes=None)
+    Traceback (most recent call last):
+    ValueError: sinks must be an integer >= 0 (the number of first tokens exempt from the bias), got -1.
+    """
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise ValueError(
+            f"sinks must be an integer >= 0 (the number of first tokens exempt from the bias), got {sinks!r}."
+        )
+    if not _is_number(slope_scale) or slope_scale <= 0:
+        raise ValueError(
+            f"slope_scale must be a finite number > 0 (it multiplies the paper's slopes), got {slope_scale!r}."
+        )
+    if slopes is not None:
+        if isinstance(slopes, (str, bytes)) or not hasattr(slopes, "__len__") or len(slopes) != heads:
+            count = len(slopes) if hasattr(slopes, "__len__") else type(slopes).__name__
+            raise ValueError(f"slopes must list one slope per head: {heads} numbers, got {count}.")
+        if not all(_is_number(s) and s > 0 for s in slopes):
+            raise ValueError(f"slopes must be finite numbers > 0 (the bias is -slope * distance), got {list(slopes)}.")
+        if slope_scale != 1.0:
+            raise ValueError("Pass either slopes or slope_scale, not both (scale the slopes you pass instead).")
+    if rotary_max_wavelength is not None:
+        if not _is_number(rotary_max_wavelength) or rotary_max_wavelength <= 0:
+            raise ValueError(
+                "rotary_max_wavelength must be a number > 0 (a wavelength in tokens) or None, "
+                f"got {rotary_max_wavelength!r}."
+            )
+        strategy = (architecture or {}).get("strategy", "rotary")
+        if strategy != "rotary":
+            model_type = (architecture or {}).get("model_type")
+            raise ValueError(
+                f"rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position "
+                "path. Leave it None."
+            )
 
 
 def alibi_model_type(base_model_type: str) -> str:

@@ -96,9 +96,11 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
         alibi.last_path = path
         if path == FOLDED:
+            starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
             return folded_causal_attention(
                 module, query, key, value, attention_mask, alibi.fixed_slopes(query.device),
                 dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"),
+                sinks=alibi.sinks, starts=starts, end=end,
             )  # fmt: skip
         q_len = query.shape[2]
         if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:

@@ -35,6 +35,11 @@ def flash_alibi_attention(
             f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
             "use model.set_attn_implementation('sdpa')."
         )
+    if alibi.sinks:  # flash-attn adds -m|i - j| to every key; exempting some would need a second pass
+        raise NotImplementedError(
+            f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
+            "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
+        )
     try:
         from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError as error:

@@ -16,29 +16,44 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
 
     Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
     mask transformers made (a ``BlockMask``) handles padding. ``softcap`` caps the score before the
-    bias is added, as the eager path does (see ``eager.eager_attention_forward``).
+    bias is added, as the eager path does (see ``eager.eager_attention_forward``). With sinks, the
+    first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as
+    recorded for this forward, see ``MaskCache.rows``; positions as ``slopes.relative_distance``).
     """
-    offset = kv_len - q_len
-    kind = alibi.kind
+    kind, sinks = alibi.kind, alibi.sinks
+    starts, end = alibi.masks.rows() if sinks else (None, None)
+    end = kv_len if end is None else end
+    query_offset, key_offset = end - q_len, max(0, end - kv_len)
+    starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
+    first_row = starts.shape[0] == 1  # one start for every row
 
     def capped(score):
         return score if softcap is None else torch.tanh(score / softcap) * softcap
+
+    def exempt(bias, b, key):  # sinks: bias 0 on the first `sinks` real keys of row b
+        if not sinks:
+            return bias
+        start = starts[0] if first_row else starts[b]
+        return torch.where((key >= start) & (key < start + sinks), 0.0, bias)
 
     if kind == LEARNED:
         left, right = alibi.learned_slopes()
         left, right = left.to(device), right.to(device)
 
         def learned_mod(score, b, h, q_idx, kv_idx):
-            distance = (q_idx + offset - kv_idx).to(torch.float32)
-            return capped(score) + torch.where(distance >= 0, left[h] * distance, -right[h] * distance)
+            key = kv_idx + key_offset
+            distance = (q_idx + query_offset - key).to(torch.float32)
+            bias = torch.where(distance >= 0, left[h] * distance, -right[h] * distance)
+            return capped(score) + exempt(bias, b, key)
 
         return learned_mod
     slopes = alibi.fixed_slopes(device)
     half = alibi.num_heads // 2
 
     def fixed_mod(score, b, h, q_idx, kv_idx):
-        distance = (q_idx + offset - kv_idx).to(torch.float32)
-        biased = capped(score) - slopes[h] * distance.abs()
+        key = kv_idx + key_offset
+        distance = (q_idx + query_offset - key).to(torch.float32)
+        biased = capped(score) + exempt(-slopes[h] * distance.abs(), b, key)
         if kind == CAUSAL:
             biased = torch.where(distance >= 0, biased, -float("inf"))
         elif kind == NONSYMMETRIC:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
-from .slopes import CAUSAL
+from .slopes import CAUSAL, sink_keys
 
 ROW, CHANNEL = "row", "channel"
 FOLD_CONSTRUCTIONS = (ROW, CHANNEL)
@@ -60,12 +60,66 @@ def folded_unavailable(alibi, query: torch.Tensor, attention_mask, kwargs: dict)
     return None
 
 
-def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0) -> str:
+def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0, sinks: int = 0) -> str:
     """``"row"`` where torch's CPU flash kernel can add the bias row itself (CPU, no mask from
-    transformers, no dropout: that kernel has none), else ``"channel"``."""
-    if query.device.type == "cpu" and attention_mask is None and dropout == 0.0 and _CPU_FLASH is not None:
+    transformers, no dropout: that kernel has none, no sinks: their term depends on the query), else
+    ``"channel"``."""
+    if (
+        query.device.type == "cpu"
+        and attention_mask is None
+        and dropout == 0.0
+        and not sinks
+        and _CPU_FLASH is not None
+    ):
         return ROW
     return CHANNEL
+
+
+def _split(channel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``channel`` (fp32 / fp64) as ``(..., n)`` in ``dtype``: n = 1, or three half parts summing to it."""
+    if dtype not in HALF_DTYPES:
+        return channel.to(dtype)[..., None]
+    exact = channel.dtype
+    parts, rest = [], channel
+    for _ in range(HALF_PARTS):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.to(exact)
+    return torch.stack(parts, dim=-1)
+
+
+def _sink_fold_channels(
+    slopes: torch.Tensor, q_len: int, kv_len: int, scaling: float, dtype: torch.dtype, sinks: int, starts, end
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extra query ``(1, H, q, 2n)`` and key ``(B|1, H, kv, 2n)`` channels of the fold with sinks.
+
+    Up to the per-query constant ``m (i - c)``, which softmax ignores, the bias is ``m (p_j - c)`` on a
+    key at position ``p_j`` and ``m (i - c)`` on a sink (whose true bias is 0). So q gets ``[2^e] * n``
+    and the parts of ``m (i - c) / scaling / 2^e``; k gets the parts of ``m (p_j - c) / scaling / 2^e``
+    (0 on sinks) and ``[2^e * is_sink_j] * n``. Positions are absolute (see ``slopes.relative_distance``:
+    ``end`` places static and sliding caches), ``c`` centres the keys; n and ``e`` as the plain fold.
+    """
+    exact = torch.promote_types(dtype, torch.float32)
+    device = slopes.device
+    end = kv_len if end is None else end
+    key_offset = max(0, end - kv_len)
+    centre = key_offset + (kv_len - 1) / 2
+    key_pos = torch.arange(kv_len, device=device, dtype=exact) + (key_offset - centre)
+    query_pos = torch.arange(end - q_len, end, device=device, dtype=exact) - centre
+    power = 1.0
+    if dtype == torch.float16:  # as _fold_channels: keep |channel| <= 2^14 (fp16 ends at 65504)
+        largest = max(abs(key_offset - centre), abs(end - q_len - centre), abs(end - 1 - centre), (kv_len - 1) / 2)
+        while largest / scaling / power > FP16_CHANNEL_LIMIT:
+            power *= 2.0
+    slopes = slopes.to(exact)[:, None] / scaling / power  # (H, 1)
+    sink = sink_keys(kv_len, sinks, starts, end, device=device)[:, :, 0, :, None]  # (B|1, 1, kv, 1)
+    key_channel = _split((slopes * key_pos)[None, :, :, None].masked_fill(sink, 0.0)[..., 0], dtype)  # (B|1, H, kv, n)
+    query_channel = _split(slopes * query_pos, dtype)[None]  # (1, H, q, n)
+    n = query_channel.shape[-1]
+    heads = slopes.shape[0]
+    indicator = (sink.to(dtype) * power).expand(-1, heads, kv_len, n)  # (B|1, H, kv, n)
+    ones = query_channel.new_full((), power).expand(1, heads, q_len, n)
+    return torch.cat([ones, query_channel], dim=-1), torch.cat([key_channel, indicator], dim=-1)
 
 
 def _fold_channels(
@@ -105,6 +159,9 @@ def folded_causal_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     construction: str | None = None,
+    sinks: int = 0,
+    starts: torch.Tensor | None = None,
+    end: int | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Causal ALiBi through SDPA's causal kernel with no L x L tensor, in fp32, fp64, bf16 or fp16.
 
@@ -137,6 +194,10 @@ def folded_causal_attention(
     below bf16's own rounding of q, k, v and the probabilities (``2^-8 = 4e-3``); fp16's
     (``2^-11 = 5e-4``) is of the same size there.
 
+    ``sinks > 0`` (channel construction only): the first ``sinks`` real keys of each row (``starts``,
+    ``(B,)`` or ``None``) get bias 0; two channel groups instead of one, see :func:`_sink_fold_channels`
+    (``end``: the sequence's true end, which places queries and keys of static and sliding caches).
+
     transformers' mask is used as it is: ``None`` (pure causal: ``is_causal``, with the keys cut to
     the queries exactly as transformers' sdpa does, whose ``None`` means top-left alignment) or a
     boolean / additive mask that already holds causality and padding for any cache offset.
@@ -146,12 +207,15 @@ def folded_causal_attention(
     if scaling is None:
         scaling = head_dim**-0.5
     if construction is None:
-        construction = fold_construction(query, attention_mask, dropout)
-    if construction not in FOLD_CONSTRUCTIONS:
-        raise ValueError(f"fold construction must be one of {FOLD_CONSTRUCTIONS}, got {construction!r}")
+        construction = fold_construction(query, attention_mask, dropout, sinks)
+    if construction not in FOLD_CONSTRUCTIONS or (sinks and construction == ROW):
+        raise ValueError(
+            f"fold construction must be one of {FOLD_CONSTRUCTIONS} ('channel' with sinks), got {construction!r}"
+        )
     is_causal = attention_mask is None and q_len > 1
     if is_causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+        end = q_len  # top-left alignment: the queries are the first q_len positions
     kv_len = key.shape[2]
     if construction == ROW:
         if key.shape[1] != heads and not _CPU_FLASH_GQA:  # torch >= 2.5 shares KV heads in the kernel itself
@@ -168,14 +232,20 @@ def folded_causal_attention(
         return output.transpose(1, 2).contiguous(), None
     if key.shape[1] != heads:  # grouped KV heads: the channel differs per query head
         key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
-    channels, power = _fold_channels(slopes, kv_len, scaling, query.dtype)  # (H, kv, n)
-    n = channels.shape[-1]
+    if sinks:
+        q_channels, k_channels = _sink_fold_channels(
+            slopes, q_len, kv_len, scaling, query.dtype, sinks, starts, end
+        )  # (1, H, q, n), (B|1, H, kv, n)
+    else:
+        channels, power = _fold_channels(slopes, kv_len, scaling, query.dtype)  # (H, kv, n)
+        q_channels, k_channels = query.new_full((), power).expand(1, heads, q_len, channels.shape[-1]), channels[None]
+    n = q_channels.shape[-1]
     padded = head_dim + n
     if query.dtype in HALF_DTYPES or query.device.type != "cpu":
         padded = -(-padded // HEAD_MULTIPLE) * HEAD_MULTIPLE
     zeros = padded - head_dim - n
-    q_extra = [query.new_full((), power).expand(batch, heads, q_len, n)]
-    k_extra = [channels[None].expand(batch, heads, kv_len, n)]
+    q_extra = [q_channels.expand(batch, heads, q_len, n)]
+    k_extra = [k_channels.expand(batch, heads, kv_len, n)]
     if zeros:
         q_extra.append(query.new_zeros(()).expand(batch, heads, q_len, zeros))
         k_extra.append(key.new_zeros(()).expand(batch, heads, kv_len, zeros))

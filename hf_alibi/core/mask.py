@@ -55,6 +55,8 @@ class MaskCache:
     def __init__(self):
         # thread id -> [(key, transformers' mask it was made from, merged mask), ...], newest last
         self._entries: dict[int, list[tuple]] = {}
+        # thread id -> (row starts (B,) or None, the sequence's end or None): set per forward for sinks
+        self._rows: dict[int, tuple] = {}
         self.builds = 0  # how many masks were built (tests count them)
 
     def __deepcopy__(self, memo) -> MaskCache:
@@ -88,11 +90,21 @@ class MaskCache:
         self._entries[thread] = [*entries[-(self.MAX_ENTRIES - 1) :], (key, attention_mask, merged)]
         return merged
 
+    def set_rows(self, starts: torch.Tensor | None, end: int | None) -> None:
+        """Where each row's real tokens start (``(B,)``, ``None``: 0) and the sequence's end position
+        (``None``: the layer's key count) for the calling thread's forward: what sinks are placed by."""
+        self._rows[threading.get_ident()] = (starts, end)
+
+    def rows(self) -> tuple[torch.Tensor | None, int | None]:
+        """What :meth:`set_rows` recorded for the calling thread's forward, else ``(None, None)``."""
+        return self._rows.get(threading.get_ident(), (None, None))
+
     def release(self, *_args, **_kwargs) -> None:
         """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
             return
         self._entries.pop(threading.get_ident(), None)
+        self._rows.pop(threading.get_ident(), None)
 
 
 def bias_mask(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:

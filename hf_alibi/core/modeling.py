@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from functools import partial
 
+import torch
 import transformers
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -13,8 +16,8 @@ from .bias import AlibiBias
 from .compat import register_recorded_outputs
 from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .mask import MaskCache
-from .slopes import CAUSAL
-from .strategies import STRATEGIES, find_modules
+from .slopes import CAUSAL, scaled_slopes_list
+from .strategies import STRATEGIES, find_modules, rotary
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -36,19 +39,89 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     (causal, or the encoder variant where the row is bidirectional and the module is not causal),
     position ids are dropped, and the layers share one mask cache for the length of a forward."""
     check_strategy(row)
+    check_sinks_fit(model.config, settings)
     base = model.base_model
-    STRATEGIES[row.strategy](base, row.position)
+    if settings.rotary_max_wavelength is not None:  # validated: a rotary row
+        rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
+    else:
+        STRATEGIES[row.strategy](base, row.position)
     masks = MaskCache()
+    slopes = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
     for path in row.attention:
         for _, _, attention in find_modules(base, path):
             causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
-            attention.alibi = AlibiBias(CAUSAL if causal else settings.encoder_variant, settings.heads, masks=masks)
+            kind = CAUSAL if causal else settings.encoder_variant
+            attention.alibi = AlibiBias(kind, settings.heads, masks=masks, slopes=slopes, sinks=settings.sinks)
     _alibi_sub_configs(model)
     # On the base model and on the model itself: some task heads run the base's inner stack directly
     # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
     for module in dict.fromkeys([base, model]):
         module.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        if settings.sinks:
+            module.register_forward_pre_hook(partial(_record_rows, masks), with_kwargs=True)
         module.register_forward_hook(masks.release)  # the shared masks live for one forward only
+
+
+def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
+    """Sinks are placed by the model's one ``attention_mask``: an encoder-decoder has two (not yet)."""
+    if settings.sinks and getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"sinks={settings.sinks} is not supported for encoder-decoder models ({settings.base_model_type}) yet: "
+            "its encoder and decoder are padded separately. Use sinks=0."
+        )
+
+
+_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _all_layers_slide(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return "full_attention" not in layer_types
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def masks_sinks(module: nn.Module) -> int:
+    return next((m.sinks for m in module.modules() if isinstance(m, AlibiBias)), 0)
+
+
+def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Sinks are the first real tokens of each row: where the 2D padding mask's ones start (left
+    # padding), and the sequence's end (the mask's length: past + new tokens), which places the keys
+    # of static caches (more slots than tokens) and sliding caches (fewer). Recorded for this forward.
+    values = kwargs
+    if "attention_mask" not in kwargs and args:  # passed by position: bind to the forward's signature
+        signature = _FORWARD_SIGNATURES.get(type(module))
+        if signature is None:
+            signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(type(module).forward)
+        try:
+            values = {**signature.bind_partial(module, *args, **kwargs).arguments, **kwargs}
+        except TypeError:
+            values = kwargs
+    mask = values.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
+        return
+    starts = end = None
+    if isinstance(mask, dict):  # one 4D mask per layer type (generate() with a static cache, mixed layers)
+        mask = mask.get("full_attention", next(iter(mask.values()), None))
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and _all_layers_slide(module.config):
+        raise ValueError(
+            f"sinks={masks_sinks(module)} with a 4D attention mask on a sliding-window model: the mask cannot "
+            "tell padding from keys outside the window. Pass the 2D attention_mask (generate() with the default "
+            "dynamic cache does), or convert with sinks=0."
+        )
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # (B, 1, q, kv), e.g. generate() with a static cache
+        # a row's first key that some query may see: padding is hidden from every query (and, on a full
+        # attention layer's mask, nothing else is)
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        starts = allowed.any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
+    tokens = values.get("input_ids")
+    tokens = tokens if tokens is not None else values.get("inputs_embeds")
+    cache = values.get("past_key_values")
+    if tokens is not None and cache is not None and hasattr(cache, "get_seq_length"):
+        end = int(cache.get_seq_length()) + tokens.shape[1]
+    masks.set_rows(starts, end)
 
 
 def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, alibi_class: type) -> None:

@@ -59,17 +59,54 @@ def get_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.
     return torch.tensor(get_slopes_list(n_heads), dtype=torch.float32, device=device)
 
 
-def relative_distance(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+def relative_distance(
+    q_len: int, kv_len: int, device: torch.device | str | None = None, end: int | None = None
+) -> torch.Tensor:
     """``i - j`` as float32, shape ``(q_len, kv_len)``.
 
     The queries are the last ``q_len`` of the ``kv_len`` positions (a KV cache holds the earlier
-    ones), so query row ``r`` sits at absolute position ``kv_len - q_len + r``.
+    ones), so query row ``r`` sits at absolute position ``kv_len - q_len + r``. ``end`` (the
+    sequence's true length so far, where known) places them at ``end - q_len + r`` instead: a static
+    cache holds more slots than tokens (``kv_len > end``), a sliding cache fewer (``kv_len < end``:
+    key ``j`` is then at ``end - kv_len + j``). Without sinks a constant shift per query changes
+    nothing (softmax ignores it); with sinks the true positions matter.
     """
     if q_len > kv_len:
         raise ValueError(f"ALiBi expects at least as many keys as queries, got q_len={q_len}, kv_len={kv_len}.")
-    query_pos = torch.arange(kv_len - q_len, kv_len, device=device, dtype=torch.float32)
-    key_pos = torch.arange(kv_len, device=device, dtype=torch.float32)
+    end = kv_len if end is None else end
+    query_pos = torch.arange(end - q_len, end, device=device, dtype=torch.float32)
+    key_pos = torch.arange(kv_len, device=device, dtype=torch.float32) + max(0, end - kv_len)
     return query_pos[:, None] - key_pos[None, :]  # (q, kv)
+
+
+def sink_keys(
+    kv_len: int, sinks: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Which keys are sinks, bool ``(B or 1, 1, 1, kv_len)``: the first ``sinks`` real tokens of each row.
+
+    ``starts`` (``(B,)``, or ``None`` for 0) is where each row's real tokens begin (left padding);
+    key ``j`` sits at absolute position ``j + max(0, end - kv_len)`` (see :func:`relative_distance`).
+
+    >>> sink_keys(4, 2, torch.tensor([0, 1]), None)[:, 0, 0]
+    tensor([[ True,  True, False, False],
+            [False,  True,  True, False]])
+    """
+    end = kv_len if end is None else end
+    key_pos = torch.arange(kv_len, device=device) + max(0, end - kv_len)
+    starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
+    starts = starts[:, None]  # (B, 1)
+    return ((key_pos >= starts) & (key_pos < starts + sinks))[:, None, None, :]
+
+
+def scaled_slopes_list(n_heads: int, slope_scale: float = 1.0, slopes: list[float] | None = None) -> list[float]:
+    """The slopes a converted model uses: ``slopes`` where given, else the paper's times ``slope_scale``.
+
+    >>> scaled_slopes_list(2, 0.5)
+    [0.03125, 0.001953125]
+    """
+    if slopes is not None:
+        return [float(s) for s in slopes]
+    return [s * slope_scale for s in get_slopes_list(n_heads)]
 
 
 def alibi_bias(
@@ -80,12 +117,18 @@ def alibi_bias(
     *,
     slopes_right: torch.Tensor | None = None,
     masked_value: float = torch.finfo(torch.float32).min,
+    sinks: int = 0,
+    starts: torch.Tensor | None = None,
+    end: int | None = None,
 ) -> torch.Tensor:
     """The additive ALiBi bias of one attention layer, float32, shape ``(1, H, q_len, kv_len)``.
 
     ``slopes`` are positive for the fixed forms (the bias is ``-slope * distance``); for ``learned``
     they are the (negative) left slopes and ``slopes_right`` the right ones, as in the seed's
     ``-sigmoid(parameter)`` parametrisation, and the bias is ``slope * distance``.
+    ``sinks > 0``: the first ``sinks`` real keys of each row (from ``starts``, see :func:`sink_keys`)
+    get bias 0 wherever they may be seen; the result is then ``(B, H, q, kv)`` when ``starts`` is given.
+    ``end``: the queries' true end position (see :func:`relative_distance`).
 
     >>> alibi_bias("symmetric", 3, 3, torch.tensor([0.5]))[0, 0]
     tensor([[ 0.0000, -0.5000, -1.0000],
@@ -94,21 +137,23 @@ def alibi_bias(
     """
     if kind not in BIAS_KINDS:
         raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
-    distance = relative_distance(q_len, kv_len, device=slopes.device)  # (q, kv), i - j
+    distance = relative_distance(q_len, kv_len, device=slopes.device, end=end)  # (q, kv), i - j
     slopes = slopes.float()[:, None, None]  # (H, 1, 1)
     if kind == LEARNED:
         if slopes_right is None:
             raise ValueError("The learned ALiBi bias needs both left and right slopes.")
         right = slopes_right.float()[:, None, None]
-        bias = torch.where(distance >= 0, slopes * distance, right * -distance)
-        return bias.unsqueeze(0)
-    bias = -slopes * distance.abs()  # (H, q, kv)
+        bias = torch.where(distance >= 0, slopes * distance, right * -distance).unsqueeze(0)
+    else:
+        bias = (-slopes * distance.abs()).unsqueeze(0)  # (1, H, q, kv)
+    if sinks:
+        bias = bias.masked_fill(sink_keys(kv_len, sinks, starts, end, device=bias.device), 0.0)  # (B|1, H, q, kv)
     if kind == CAUSAL:
         bias = bias.masked_fill(distance < 0, masked_value)
     elif kind == NONSYMMETRIC:
-        n_heads = bias.shape[0]
+        n_heads = bias.shape[1]
         half = n_heads // 2
         sees_left = torch.arange(n_heads, device=bias.device)[:, None, None] < half  # (H, 1, 1)
         allowed = torch.where(sees_left, distance >= 0, distance <= 0)
         bias = bias.masked_fill(~allowed, masked_value)
-    return bias.unsqueeze(0)
+    return bias

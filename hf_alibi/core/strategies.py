@@ -7,6 +7,7 @@ also runs on freshly built models (``from_pretrained`` loads the weights afterwa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -94,6 +95,57 @@ class IdentityRotary(nn.Module):
         return one.expand(shape), zero.expand(shape)
 
 
+class RetainedRotary(nn.Module):
+    """Stands where a rotary embedding was: keeps its short-wavelength frequencies, removes the rest.
+
+    A rotary dimension of frequency ``w`` (radians per token) has wavelength ``2 pi / w``. Those of
+    wavelength ``<= max_wavelength`` keep the original's ``cos`` and ``sin``; the others answer the
+    original's value at position 0 (``cos = 1``, ``sin = 0``; times the rope type's attention scaling
+    where it has one), i.e. no rotation. Rotary is relative, so which absolute positions the model
+    passes (hf_alibi drops ``position_ids``; the model counts from its cache) changes nothing.
+
+    Which dimensions are kept is read from the original's own answer at positions 0 and 1 (the
+    angle ``atan2(sin, cos)`` at position 1 is ``w``, in float32), once per call signature: so it
+    holds for every layout (halves as Llama, interleaved pairs as Cohere, partial rotary as Phi-3 or
+    GPT-NeoX) and depends on the config (``inv_freq`` is a non-persistent buffer), not on weights.
+    ``kept`` reports the last probe's mask (tests). The original is kept as ``original``.
+    """
+
+    def __init__(self, original: nn.Module, max_wavelength: float):
+        super().__init__()
+        self.original = original
+        self.max_wavelength = float(max_wavelength)
+        self._probes: dict = {}
+        self.kept: torch.Tensor | None = None
+
+    def _probe(self, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            key = (x.dtype, x.device, args, tuple(sorted(kwargs.items())))
+            probe = self._probes.get(key)
+        except TypeError:  # an unhashable extra argument: ask every time
+            key, probe = None, None
+        if probe is None:
+            with torch.no_grad():
+                positions = torch.arange(2, device=x.device)[None]  # (1, 2): positions 0 and 1
+                cos, sin = self.original(x.float(), positions, *args, **kwargs)
+            cos, sin = cos.float().reshape(-1, 2, cos.shape[-1])[0], sin.float().reshape(-1, 2, sin.shape[-1])[0]
+            frequency = torch.atan2(sin[1], cos[1])  # (width,), radians per token
+            kept = frequency.abs() >= 2 * math.pi / self.max_wavelength  # wavelength <= the bound
+            probe = (kept, cos[0].to(x.dtype), sin[0].to(x.dtype))  # removed dims: position 0's value
+            if key is not None:
+                self._probes[key] = probe
+        self.kept = probe[0]
+        return probe
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        kept, cos0, sin0 = self._probe(x, args, kwargs)
+        cos, sin = self.original(x, position_ids, *args, **kwargs)  # (B, L, width)
+        return torch.where(kept, cos, cos0.to(cos.dtype)), torch.where(kept, sin, sin0.to(sin.dtype))
+
+    def extra_repr(self) -> str:
+        return f"max_wavelength={self.max_wavelength}"
+
+
 def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
     """A learned table added to the token embeddings (GPT-2's ``wpe``, BERT's, OPT's): a zero instead.
 
@@ -107,12 +159,18 @@ def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
                 parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
 
 
-def rotary(base: nn.Module, paths: tuple[str, ...]) -> None:
-    """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead."""
+def rotary(base: nn.Module, paths: tuple[str, ...], max_wavelength: float | None = None) -> None:
+    """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead,
+    or with ``max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""
     for path in paths:
         for parent, name, module in find_modules(base, path):
-            if not isinstance(module, IdentityRotary):
-                setattr(parent, name, IdentityRotary(module))
+            if isinstance(module, (IdentityRotary, RetainedRotary)):
+                continue
+            setattr(
+                parent,
+                name,
+                IdentityRotary(module) if max_wavelength is None else RetainedRotary(module, max_wavelength),
+            )
 
 
 def relative(base: nn.Module, paths: tuple[str, ...]) -> None:
