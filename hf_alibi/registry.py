@@ -20,7 +20,7 @@ from .core.compat import auto_class_names
 from .core.config import alibi_config_class
 from .core.modeling import alibi_model_class
 from .core.strategies import STRATEGIES
-from .hub import AlibiPreTrainedMixin
+from .hub.saving import AlibiPreTrainedMixin
 
 MODELS_MODULE = "hf_alibi.models"
 
