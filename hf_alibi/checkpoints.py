@@ -98,8 +98,8 @@ def source_kind(name: str | os.PathLike, label: str = "SRC") -> Literal["folder"
 
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(os.fspath(name), "config.json"), str):
         raise CheckpointError(
-            f"{label} {os.fspath(name)!r} is a Hub id, HF_HUB_OFFLINE is set and it is not in the local cache: "
-            "download it first (unset HF_HUB_OFFLINE), or pass a checkpoint folder."
+            f"Could not read the config of {label} {os.fspath(name)!r}: HF_HUB_OFFLINE is set and it is not in "
+            "the local cache. Download it first (unset HF_HUB_OFFLINE), or pass a checkpoint folder."
         )
     return "hub"
 
