@@ -38,6 +38,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from builders import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's hf_alibi, not another installed copy
@@ -53,26 +54,16 @@ def _flash_attn_installed() -> bool:
 
 
 def build_gpt2(max_len: int, args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=max_len, vocab_size=args.vocab,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
+    shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
+    return build_model("gpt2", **shape, dropout=False)
 
 
 def build_llama(max_len: int, args):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 3),
-        hidden_size=args.width, intermediate_size=int(8 / 3 * args.width) // 64 * 64, vocab_size=args.vocab,
-        max_position_embeddings=max_len, attention_dropout=0.0, attn_implementation="sdpa",
+    shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
+    return build_model(
+        "llama", **shape, dropout=False, num_key_value_heads=max(1, args.heads // 3),
+        intermediate_size=int(8 / 3 * args.width) // 64 * 64,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "llama": build_llama}

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from builders import build_model
 
 # this checkout's hf_alibi, not another installed copy (a script's own folder heads sys.path, not the cwd)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,55 +58,35 @@ def _ids(batch: int, length: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(length))
 
 
-def build_gpt2(alibi: bool, max_len: int, args) -> Built:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _shape(max_len: int, args) -> dict:
+    return dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
 
-    config = GPT2Config(
-        n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=max_len, vocab_size=args.vocab,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=args.attn,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+
+def build_gpt2(alibi: bool, max_len: int, args) -> Built:
+    model = build_model("gpt2", **_shape(max_len, args), attn=args.attn, dropout=False)
     return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
 
 
 def build_gpt_neox(alibi: bool, max_len: int, args) -> Built:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    config = GPTNeoXConfig(
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, hidden_size=args.width,
-        intermediate_size=4 * args.width, max_position_embeddings=max_len, vocab_size=args.vocab,
-        attention_dropout=0.0, hidden_dropout=0.0, attn_implementation=args.attn,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(config)
+    model = build_model(
+        "gpt_neox", **_shape(max_len, args), attn=args.attn, dropout=False, intermediate_size=4 * args.width
+    )
     return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
 
 
 def build_llama(alibi: bool, max_len: int, args) -> Built:
     """Llama with grouped-query attention: half as many KV heads as query heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
-        hidden_size=args.width, intermediate_size=4 * args.width, max_position_embeddings=max_len,
-        vocab_size=args.vocab, attention_dropout=0.0, attn_implementation=args.attn,
+    model = build_model(
+        "llama", **_shape(max_len, args), attn=args.attn, dropout=False,
+        num_key_value_heads=max(1, args.heads // 2), intermediate_size=4 * args.width,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
     return Built(_convert(model, alibi), lambda n: _lm_batch(n, args), generates=True)
 
 
 def build_bert(alibi: bool, max_len: int, args) -> Built:
-    from transformers import BertConfig, BertForMaskedLM
-
-    config = BertConfig(
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, hidden_size=args.width,
-        intermediate_size=4 * args.width, max_position_embeddings=max_len, vocab_size=args.vocab,
-        attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, attn_implementation=args.attn,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = BertForMaskedLM(config)
+    model = build_model(
+        "bert", **_shape(max_len, args), attn=args.attn, dropout=False, intermediate_size=4 * args.width
+    )
     return Built(_convert(model, alibi, encoder_variant="symmetric"), lambda n: _lm_batch(n, args), generates=False)
 
 

@@ -31,14 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-)
+from builders import build_model
 
 from hf_alibi.data import default_cache_dir, embedded_corpus, embedded_tokenizer
 from hf_alibi.evaluation import evaluate_perplexity
@@ -87,27 +80,19 @@ def load_data(args):
 
 
 def build(name: str, args, vocab: int):
-    torch.manual_seed(args.seed)
-    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0)
+    shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=args.length, seed=args.seed)
+    common = dict(bos_token_id=0, eos_token_id=0)
     if name == "gpt2":
-        config = GPT2Config(
-            n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=args.length, **common
-        )
-        return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+        return build_model("gpt2", **shape, vocab=vocab, **common)
     if name == "gpt_neox":
-        config = GPTNeoXConfig(
-            hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            intermediate_size=4 * args.width, max_position_embeddings=args.length, tie_word_embeddings=True,
+        return build_model(
+            "gpt_neox", **shape, vocab=vocab, intermediate_size=4 * args.width, tie_word_embeddings=True,
             rotary_pct=args.rotary_pct, **common,
         )  # fmt: skip
-        return GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa")
     if name == "bert":  # vocab + 1: the last id is [MASK]
-        config = BertConfig(
-            hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            intermediate_size=4 * args.width, max_position_embeddings=args.length, vocab_size=vocab + 1,
-            pad_token_id=0, type_vocab_size=1,
-        )  # fmt: skip
-        return BertForMaskedLM._from_config(config, attn_implementation="sdpa")
+        return build_model(
+            "bert", **shape, vocab=vocab + 1, intermediate_size=4 * args.width, pad_token_id=0, type_vocab_size=1
+        )
     raise ValueError(name)
 
 

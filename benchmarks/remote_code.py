@@ -17,7 +17,8 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from builders import build_model
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 import hf_alibi
@@ -37,12 +38,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = GPT2Config(n_layer=2, n_head=4, n_embd=256, n_positions=max(args.lengths), vocab_size=1000,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    unpatched = GPT2LMHeadModel(config)
-    with tempfile.TemporaryDirectory() as folder:
-        hf_alibi.patch_model(GPT2LMHeadModel(config)).save_pretrained(folder)
+    unpatched = build_model(
+        "gpt2", layers=2, heads=4, width=256, positions=max(args.lengths), vocab=1000, dropout=False
+    )
+    with tempfile.TemporaryDirectory() as folder:  # the converted model: the next weights of the same seed
+        hf_alibi.patch_model(GPT2LMHeadModel(unpatched.config)).save_pretrained(folder)
         library = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
         remote_cls = get_class_from_dynamic_module("modeling_alibi.AlibiGPT2LMHeadModel", folder)
         remote = remote_cls.from_pretrained(folder, attn_implementation="sdpa")

@@ -29,7 +29,7 @@ import time
 from itertools import chain
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+from builders import build_model
 
 import hf_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
@@ -56,31 +56,24 @@ def load_tokens(args):
 
 
 def build(arch: str, args, vocab: int, length: int):
-    torch.manual_seed(args.seed)
-    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0)
+    shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=length, vocab=vocab, seed=args.seed)
+    common = dict(bos_token_id=0, eos_token_id=0)
     if arch in ("alibi_gpt2", "gpt2"):
-        config = GPT2Config(n_layer=args.layers, n_head=args.heads, n_embd=args.width, n_positions=length, **common)
-        model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
-        if arch == "alibi_gpt2":
-            hf_alibi.patch_model(model)
+        model = build_model("gpt2", **shape, **common)
     elif arch == "gpt_neox":
-        config = GPTNeoXConfig(
-            hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            intermediate_size=4 * args.width, max_position_embeddings=length, tie_word_embeddings=True,
+        model = build_model(
+            "gpt_neox", **shape, intermediate_size=4 * args.width, tie_word_embeddings=True,
             rotary_pct=args.rotary_pct, **common,
         )  # fmt: skip
-        model = GPTNeoXForCausalLM._from_config(config, attn_implementation="sdpa")
     elif arch in ("alibi_llama", "llama"):
-        config = LlamaConfig(
-            hidden_size=args.width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-            num_key_value_heads=args.heads, intermediate_size=4 * args.width, max_position_embeddings=length,
+        model = build_model(
+            "llama", **shape, num_key_value_heads=args.heads, intermediate_size=4 * args.width,
             tie_word_embeddings=True, **common,
         )  # fmt: skip
-        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-        if arch == "alibi_llama":
-            hf_alibi.patch_model(model)
     else:
         raise ValueError(arch)
+    if arch.startswith("alibi_"):
+        hf_alibi.patch_model(model)
     return model
 
 

@@ -16,113 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
+from .checkpoints import (
+    TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
+    CheckpointError,
+    check_output,
+    has_tokenizer,
+    is_alibi,
+    is_local,
+    model_class_for,
+    read_config,
+    staged_output,
 )
 
 
 class CliError(Exception):
     """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
-
-
-def _is_local(src: str) -> bool:
-    """A path rather than a Hub id (``user/name`` or ``name``)."""
-    return os.path.exists(src) or src.startswith((".", "/", "~")) or src.count("/") > 1 or "\\" in src
-
-
-def _load_config_dict(src: str, label: str = "SRC") -> dict:
-    from transformers import PretrainedConfig
-
-    if _is_local(src):
-        path = Path(src).expanduser()
-        if not path.is_dir():
-            raise CliError(
-                f"{label} {src!r} is not a folder. Pass a checkpoint folder (with config.json) or a Hub id."
-            )
-        if not (path / "config.json").is_file():
-            raise CliError(f"{label} {src!r} has no config.json: it is not a transformers checkpoint folder.")
-        try:
-            json.loads((path / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise CliError(f"{label} {src!r} has a config.json that is not valid JSON ({error}).") from error
-    try:
-        config_dict, _ = PretrainedConfig.get_config_dict(src)
-    except OSError as error:
-        raise CliError(
-            f"Could not read the config of {label} {src!r}: {error} "
-            "Pass a checkpoint folder or a Hub id you can reach."
-        ) from error
-    except ValueError as error:
-        raise CliError(f"{label} {src!r} has a config.json that transformers cannot read ({error}).") from error
-    if "model_type" not in config_dict:
-        raise CliError(f"{label} {src!r}: config.json has no model_type; hf_alibi cannot tell its architecture.")
-    return config_dict
-
-
-def model_class_for(config_dict: dict):
-    """The transformers class to load SRC with: its ``architectures`` entry if the registry converts it,
-    else the first Auto class of the architecture (causal LM, seq2seq LM, masked LM, then the bare model)."""
-    import transformers
-
-    import hf_alibi
-    from hf_alibi.hub import auto_classes_for
-    from hf_alibi.registry import alibi_classes
-
-    model_type = config_dict["model_type"]
-    if model_type.startswith("alibi_"):
-        raise CliError(f"SRC is already an ALiBi checkpoint (model_type {model_type!r}); there is nothing to convert.")
-    try:
-        hf_alibi.get_architecture(model_type)
-    except ValueError as error:
-        raise CliError(str(error)) from error
-    convertible = {cls.__name__: cls for cls in alibi_classes(model_type)}
-    for name in config_dict.get("architectures") or []:
-        if name in convertible:
-            return convertible[name]
-    auto = auto_classes_for(model_type)
-    for auto_name in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"):
-        if auto_name in auto and hasattr(transformers, auto[auto_name]):
-            return getattr(transformers, auto[auto_name])
-    raise CliError(f"hf_alibi found no model class to load {model_type!r} with.")
-
-
-def _has_tokenizer(src: str) -> bool | None:
-    """True/False for a local folder; None (unknown: try) for a Hub id."""
-    if _is_local(src):
-        return any((Path(src).expanduser() / name).is_file() for name in TOKENIZER_FILES)
-    return None
-
-
-def _check_paths(src: str, out: Path, overwrite: bool) -> None:
-    out_resolved = out.expanduser().resolve()
-    if _is_local(src):
-        src_resolved = Path(src).expanduser().resolve()
-        if (
-            out_resolved == src_resolved
-            or src_resolved in out_resolved.parents
-            or out_resolved in src_resolved.parents
-        ):
-            raise CliError(f"OUT {str(out)!r} overlaps SRC {src!r}; hf_alibi never writes into SRC. Pick another OUT.")
-    if out.exists() and not out.is_dir():
-        raise CliError(f"OUT {str(out)!r} exists and is not a folder.")
-    existing = next(parent for parent in out_resolved.parents if parent.exists())
-    if not existing.is_dir():
-        raise CliError(f"OUT {str(out)!r} is inside the file {str(existing)!r}, not a folder. Pick another OUT.")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise CliError(
-            f"OUT {str(out)!r} exists and is not empty. Pass --overwrite to replace it, or pick another OUT."
-        )
 
 
 def convert(
@@ -141,16 +52,10 @@ def convert(
     from hf_alibi.hub import finish_folder
 
     out = Path(out)
-    _check_paths(src, out, overwrite)
-    config_dict = _load_config_dict(src)
+    check_output(src, out, overwrite)
+    config_dict = read_config(src)
     model_cls = model_class_for(config_dict)
-    parent = out.expanduser().resolve().parent
-    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]  # made here, removed on failure
-    staging = None
-    try:
-        # the staging folder first: a place that cannot be written fails before the model is loaded
-        parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
         try:
             model = model_cls.from_pretrained(src)
         except Exception as error:
@@ -161,41 +66,21 @@ def convert(
             raise CliError(str(error)) from error
 
         tokenizer = None
-        has_tokenizer = _has_tokenizer(src)
-        if has_tokenizer is not False:
+        src_has_tokenizer = has_tokenizer(src)
+        if src_has_tokenizer is not False:
             from transformers import AutoTokenizer
 
             try:
                 tokenizer = AutoTokenizer.from_pretrained(src)
             except Exception as error:
-                if has_tokenizer:
+                if src_has_tokenizer:
                     raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
 
         model.save_pretrained(staging)  # safetensors, config.json, modeling_alibi.py, auto_map
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        base_model = None if _is_local(src) else src
         (staging / "README.md").unlink(missing_ok=True)
-        finish_folder(staging, model.config, base_model=base_model)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException as error:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        for folder in created:  # innermost first; only the folders this call made, and only if empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        if isinstance(error, OSError):
-            reason = error.strerror or str(error)
-            where = f" ({error.filename})" if error.filename else ""
-            raise CliError(
-                f"Could not write OUT {str(out)!r}: {reason}{where}. Nothing was written; "
-                "pick a folder you can write to."
-            ) from error
-        raise
+        finish_folder(staging, model.config, base_model=None if is_local(src) else src)
     return out
 
 
@@ -203,28 +88,27 @@ def describe(path: str) -> dict:
     """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict."""
     import hf_alibi
 
-    config_dict = _load_config_dict(path, label="PATH")
+    config_dict = read_config(path, label="PATH")
     model_type = config_dict["model_type"]
-    alibi = config_dict.get("alibi")
     info = {
         "path": path,
         "model_type": model_type,
         "architectures": config_dict.get("architectures"),
-        "is_alibi": bool(alibi) and model_type.startswith("alibi_"),
+        "is_alibi": is_alibi(config_dict),
     }
     if info["is_alibi"]:
-        settings = hf_alibi.AlibiSettings.from_dict(alibi)
+        settings = hf_alibi.AlibiSettings.from_dict(config_dict["alibi"])
         info.update(settings.to_dict())
         info["slopes"] = hf_alibi.get_slopes_list(settings.heads)
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
-        if _is_local(path):
+        if is_local(path):
             info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
         if settings.encoder_variant == "learned":
-            info["learned_slopes"] = learned_slopes(path) if _is_local(path) else None
+            info["learned_slopes"] = learned_slopes(path) if is_local(path) else None
     else:
         info["convertible"] = model_type in hf_alibi.supported_model_types()
-    if _is_local(path):
-        info["tokenizer"] = _has_tokenizer(path)
+    if is_local(path):
+        info["tokenizer"] = has_tokenizer(path)
     return info
 
 
@@ -381,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "info":
             info = describe(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
-    except CliError as error:
+    except (CliError, CheckpointError) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     except ConnectionError as error:
         parser.exit(1, f"hf-alibi: error: {error}\n")

@@ -24,7 +24,7 @@ from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.modeling import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .hub import AlibiPreTrainedMixin
+from .hub.saving import AlibiPreTrainedMixin
 from .patches import absolute, relative, rotary
 
 MODELS_MODULE = "hf_alibi.models"

@@ -55,10 +55,11 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import hf_alibi
+from hf_alibi.checkpoints import is_alibi, original_length
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.distributed import fsdp_requested, fsdp_requested_but_not_used, is_fsdp2, unsharded_copy
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
-from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind, original_length
+from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def checkpoint_alibi_settings(checkpoint: str | os.PathLike) -> dict | None:
         return None
     with open(config_path) as f:
         config = json.load(f)
-    if str(config.get("model_type", "")).startswith("alibi_") and config.get("alibi"):
+    if is_alibi(config):
         return config["alibi"]
     return None
 
@@ -329,7 +330,7 @@ def main():
         else:
             hf_alibi.patch_model(model, heads=model_args.alibi_heads)
             logger.info(f"Converted to ALiBi: {model.config.alibi}")
-    position_limit = getattr(model.config, "max_position_embeddings", None)
+    position_limit = original_length(model.config)
     alibi_model = hf_alibi.is_alibi_model(model)
 
     # Tokenize

@@ -188,3 +188,39 @@ __all__ = [
     "stored_attn_implementation",
     "stored_output_attentions",
 ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The outer layer's private uses (hf_alibi/hub, hf_alibi/recover), each checked on transformers 5.23.0.
+
+
+def relative_import_files(module_file) -> list[str]:
+    """Every file ``module_file`` imports with flat relative imports, followed recursively, the way
+    transformers' dynamic-module loader follows them for remote code
+    (``dynamic_module_utils.get_relative_import_files``; checked on transformers 5.23.0)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    return get_relative_import_files(module_file)
+
+
+def name_or_path(config: PretrainedConfig) -> str:
+    """Where a config was loaded from (``PretrainedConfig._name_or_path``, a folder or a Hub id; "" when
+    built in code; checked on transformers 5.23.0)."""
+    return getattr(config, "_name_or_path", "") or ""
+
+
+def loss_is_per_batch_mean(trainer) -> None:
+    """Tell a ``Trainer`` whose ``compute_loss`` returns a per-batch mean (not a sum over the
+    ``num_items_in_batch`` of the accumulated batches) to divide it by the gradient accumulation steps.
+
+    ``Trainer.training_step`` divides when ``loss_is_scaled_for_ga`` (a class attribute of later 5.x
+    releases; ``None`` = decide) is False, else, like the releases before it, when not
+    ``model_accepts_loss_kwargs and num_items_in_batch is not None`` and there is no ``compute_loss_func``.
+    Setting both makes every 5.x divide; ``model_accepts_loss_kwargs`` False also stops the Trainer from
+    counting the batch's items for a loss that does not use them. Checked on transformers 5.23.0."""
+    trainer.model_accepts_loss_kwargs = False
+    if hasattr(type(trainer), "loss_is_scaled_for_ga"):
+        trainer.loss_is_scaled_for_ga = False
+
+
+__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files"]

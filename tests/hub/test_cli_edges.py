@@ -147,3 +147,92 @@ def test_info_learned_without_slopes_in_the_weights_is_an_error(tmp_path, capsys
     code, _, err = run_cli("info", tmp_path / "alibi", capsys=capsys)
     assert code == 2
     _one_line_error(err, "its weights hold no learned slopes", "save it again")
+
+
+# ------------------------------------------------------------------------------- recover: OUT checked first
+
+
+@pytest.fixture
+def train_file(tmp_path):
+    from tiny import VOCAB
+
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(1, VOCAB, (600,), generator=generator).tolist()
+    path = tmp_path / "notes.txt"
+    path.write_text("\n".join(" ".join(f"w{i}" for i in words[j : j + 12]) for j in range(0, 600, 12)))
+    return path
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fails the test if recover gets as far as loading the teacher or distilling."""
+    import hf_alibi.recover.checkpoint as job
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("recover loaded or trained although OUT cannot be written")
+
+    monkeypatch.setattr(job, "recover", refuse)
+    monkeypatch.setattr(job.AutoTokenizer, "from_pretrained", refuse)
+
+
+def test_recover_out_in_a_place_root_cannot_write(gpt2_src, train_file, capsys, no_training):
+    """Like convert: one line and exit 2 at once, before the tokenizer, the model or a training step."""
+    sys_root = Path("/sys")
+    if not (sys_root / "kernel").is_dir():
+        pytest.skip("no /sys/kernel on this machine")
+    try:
+        os.mkdir(sys_root / "hf_alibi_probe")
+    except OSError:
+        pass
+    else:
+        os.rmdir(sys_root / "hf_alibi_probe")
+        pytest.skip("/sys is writable here")
+    before = sorted(os.listdir(sys_root))
+    for out in (sys_root / "kernel" / "hf_alibi_out", sys_root / "hf_alibi_new" / "deeper" / "out"):
+        code, stdout, err = run_cli("recover", gpt2_src, out, "--train_file", train_file, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, f"Could not write OUT {str(out)!r}", "Nothing was written", "pick a folder you can write")
+        assert "[recover]" not in stdout + err
+    assert sorted(os.listdir(sys_root)) == before
+
+
+def test_recover_staging_refused_leaves_nothing(gpt2_src, train_file, tmp_path, capsys, monkeypatch, no_training):
+    out = tmp_path / "new" / "deeper" / "recovered"
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(out.parent))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    before = _tree(tmp_path)
+    code, _, err = run_cli("recover", gpt2_src, out, "--train_file", train_file, capsys=capsys)
+    assert code == 2
+    _one_line_error(err, f"Could not write OUT {str(out)!r}: Permission denied", "Nothing was written")
+    assert _tree(tmp_path) == before
+
+
+def test_recover_final_rename_refused_leaves_nothing(gpt2_src, train_file, tmp_path, capsys, monkeypatch):
+    """The OSError at the very end (after training): the same one line, no staging folder, no OUT."""
+    out = tmp_path / "new" / "recovered"
+    real_rename = Path.rename
+
+    def refuse_rename(self, target):
+        if Path(target) == out:
+            raise PermissionError(13, "Permission denied", str(out.parent))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse_rename)
+    before = _tree(tmp_path)
+    argv = ("--train_file", train_file, "--max_steps", "1", "--batch_size", "2", "--length", "16")
+    code, _, err = run_cli("recover", gpt2_src, out, *argv, capsys=capsys)
+    assert code == 2
+    _one_line_error(err, f"Could not write OUT {str(out)!r}: Permission denied", "Nothing was written")
+    assert _tree(tmp_path) == before
+
+
+def test_a_source_that_is_neither_folder_nor_hub_id(tmp_path, capsys):
+    for command in (("convert",), ("info",)):
+        argv = (*command, "no such/model name") + ((tmp_path / "out",) if command == ("convert",) else ())
+        code, _, err = run_cli(*argv, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, "'no such/model name' is neither a folder nor a valid Hub id")
+    assert list(tmp_path.iterdir()) == []

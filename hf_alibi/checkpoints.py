@@ -1,0 +1,314 @@
+"""One home for reading and writing checkpoint folders.
+
+Every question the CLI, recovery, the Hub code and the scripts ask about a checkpoint has its one
+answer here: is SRC a folder or a Hub id (:func:`source_kind`), what its config.json says
+(:func:`read_config`), is that config an ALiBi one (:func:`is_alibi`), which class loads it
+(:func:`model_class_for`), how long its inputs were (:func:`original_length`), may OUT be written
+(:func:`check_output`), and how OUT is written without ever leaving half a folder
+(:func:`staged_output`). Bad input raises :class:`CheckpointError` (a ``ValueError``) with one line
+that says what to do; the CLI prints it and exits with status 2.
+
+Example:
+    >>> config = read_config("my-gpt2")           # a folder or a Hub id
+    >>> check_output("my-gpt2", Path("out"), overwrite=False)
+    >>> with staged_output("out") as staging:       # out appears only when the block succeeds
+    ...     model.save_pretrained(staging)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+from .core.config import MODEL_TYPE_PREFIX, is_alibi_config
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
+
+# RoBERTa and the models built on its embeddings count positions from padding_idx + 1: the table has
+# max_position_embeddings rows, of which the first pad_token_id + 1 are never used by a real token.
+ROBERTA_LIKE = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm"})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or an output folder that cannot be written: one line saying what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------- input
+
+
+def is_local(name: str | os.PathLike) -> bool:
+    """Whether ``name`` means a path rather than a Hub id: it exists, starts with ``.``, ``/`` or ``~``,
+    holds a backslash, or has more than one ``/`` (a Hub id is ``name`` or ``user/name``).
+
+    >>> is_local("./gpt2"), is_local("openai-community/gpt2")
+    (True, False)
+    """
+    name = os.fspath(name)
+    return os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def is_hub_id(name: str | os.PathLike | None) -> bool:
+    """Whether ``name`` is a valid Hub repo id that is not a local path (checked offline, at once).
+
+    >>> is_hub_id("openai-community/gpt2"), is_hub_id("my model/v1")
+    (True, False)
+    """
+    if not name or is_local(name):
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(os.fspath(name))
+    except HFValidationError:
+        return False
+    return True
+
+
+def source_kind(name: str | os.PathLike, label: str = "SRC") -> Literal["folder", "hub"]:
+    """``"folder"`` for a path, ``"hub"`` for a Hub id; a :class:`CheckpointError` at once for a name that
+    is neither, and for a Hub id not in the local cache while ``HF_HUB_OFFLINE=1`` (nothing waits on a network).
+
+    >>> source_kind("my folder/v1")
+    CheckpointError: SRC 'my folder/v1' is neither a folder nor a valid Hub id ...
+    """
+    if is_local(name):
+        return "folder"
+    if not is_hub_id(name):
+        raise CheckpointError(
+            f"{label} {os.fspath(name)!r} is neither a folder nor a valid Hub id (name or user/name): "
+            "pass an existing checkpoint folder or a Hub id."
+        )
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(os.fspath(name), "config.json"), str):
+        raise CheckpointError(
+            f"Could not read the config of {label} {os.fspath(name)!r}: HF_HUB_OFFLINE is set and it is not in "
+            "the local cache. Download it first (unset HF_HUB_OFFLINE), or pass a checkpoint folder."
+        )
+    return "hub"
+
+
+def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
+    """config.json of the checkpoint ``src`` (folder or Hub id) as transformers reads it, with a
+    ``model_type``; a :class:`CheckpointError` that says what is wrong otherwise.
+
+    >>> read_config("my-gpt2")["model_type"]
+    'gpt2'
+    """
+    from transformers import PretrainedConfig
+
+    src = os.fspath(src)
+    if source_kind(src, label) == "folder":
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{label} {src!r} is not a folder. Pass a checkpoint folder (with config.json) or a Hub id."
+            )
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{label} {src!r} has no config.json: it is not a transformers checkpoint folder.")
+        try:
+            json.loads((path / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{label} {src!r} has a config.json that is not valid JSON ({error}).") from error
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(src)
+    except OSError as error:
+        raise CheckpointError(
+            f"Could not read the config of {label} {src!r}: {error} "
+            "Pass a checkpoint folder or a Hub id you can reach."
+        ) from error
+    except ValueError as error:
+        raise CheckpointError(f"{label} {src!r} has a config.json that transformers cannot read ({error}).") from error
+    if "model_type" not in config_dict:
+        raise CheckpointError(
+            f"{label} {src!r}: config.json has no model_type; hf_alibi cannot tell its architecture."
+        )
+    return config_dict
+
+
+def is_alibi(config: Mapping[str, Any] | Any) -> bool:
+    """Whether a config (a ``PretrainedConfig`` or config.json as a dict) is an ALiBi one: an ``alibi``
+    field and a model_type ``alibi_<type>`` (:func:`hf_alibi.is_alibi_config`, the one rule).
+
+    >>> is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 12}}), is_alibi({"model_type": "gpt2"})
+    (True, False)
+    """
+    if isinstance(config, Mapping):
+        return is_alibi_config(SimpleNamespace(alibi=config.get("alibi"), model_type=config.get("model_type", "")))
+    return is_alibi_config(config)
+
+
+def has_tokenizer(src: str | os.PathLike) -> bool | None:
+    """True/False for a local folder (tokenizer files there or not); None (unknown: try) for a Hub id."""
+    if is_local(src):
+        return any((Path(src).expanduser() / name).is_file() for name in TOKENIZER_FILES)
+    return None
+
+
+def model_class_for(config_dict: Mapping[str, Any]) -> type:
+    """The transformers class to load a checkpoint with: its ``architectures`` entry if the registry converts
+    it, else the first Auto class of the architecture (causal LM, seq2seq LM, masked LM, then the bare model).
+    A :class:`CheckpointError` for an ALiBi checkpoint or an architecture hf_alibi does not convert.
+
+    >>> model_class_for({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}).__name__
+    'GPT2LMHeadModel'
+    """
+    import transformers
+
+    from .core.compat import auto_class_names
+    from .registry import alibi_classes, get_architecture
+
+    model_type = config_dict["model_type"]
+    if is_alibi(config_dict) or str(model_type).startswith(MODEL_TYPE_PREFIX):
+        raise CheckpointError(
+            f"SRC is already an ALiBi checkpoint (model_type {model_type!r}); there is nothing to convert."
+        )
+    try:
+        get_architecture(model_type)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from error
+    convertible = {cls.__name__: cls for cls in alibi_classes(model_type)}
+    for name in config_dict.get("architectures") or []:
+        if name in convertible:
+            return convertible[name]
+    auto = auto_class_names(model_type)
+    for auto_name in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"):
+        if auto_name in auto and hasattr(transformers, auto[auto_name]):
+            return getattr(transformers, auto[auto_name])
+    raise CheckpointError(f"hf_alibi found no model class to load {model_type!r} with.")
+
+
+def original_length(config: Mapping[str, Any] | Any) -> int | None:
+    """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
+    or a model): ``n_positions`` or ``max_position_embeddings``, less RoBERTa's offset, else None (T5:
+    relative positions, no limit stated).
+
+    RoBERTa's table has ``max_position_embeddings`` rows but numbers positions from ``pad_token_id + 1``,
+    so its usable length is ``max_position_embeddings - pad_token_id - 1`` (514 - 1 - 1 = 512 for
+    roberta-base); a null ``pad_token_id`` counts as 0 (transformers' RoBERTa cannot run without one).
+
+    >>> original_length({"model_type": "roberta", "max_position_embeddings": 66, "pad_token_id": 1})
+    64
+    """
+    config = getattr(config, "config", config)  # a model: its config
+    if isinstance(config, Mapping):
+        get = config.get
+    else:
+
+        def get(key, default=None):
+            return getattr(config, key, default)
+
+    for key in ("n_positions", "max_position_embeddings"):
+        value = get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            model_type = str(get("model_type", "") or "").removeprefix(MODEL_TYPE_PREFIX)
+            offset = (get("pad_token_id") or 0) + 1 if model_type in ROBERTA_LIKE else 0
+            return value - offset
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def check_output(src: str | os.PathLike | None, out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse, before anything is loaded, an OUT that overlaps the local folder ``src``, is a file, lies
+    inside a file, or is a non-empty folder without ``overwrite``. Raises :class:`CheckpointError`.
+
+    >>> check_output("my-gpt2", "my-gpt2/alibi")
+    CheckpointError: OUT 'my-gpt2/alibi' overlaps SRC 'my-gpt2'; ...
+    """
+    out = Path(out)
+    out_resolved = out.expanduser().resolve()
+    if src is not None and is_local(src):
+        src_resolved = Path(src).expanduser().resolve()
+        if (
+            out_resolved == src_resolved
+            or src_resolved in out_resolved.parents
+            or out_resolved in src_resolved.parents
+        ):
+            raise CheckpointError(
+                f"OUT {str(out)!r} overlaps SRC {os.fspath(src)!r}; hf_alibi never writes into SRC. Pick another OUT."
+            )
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"OUT {str(out)!r} exists and is not a folder.")
+    existing = next(parent for parent in out_resolved.parents if parent.exists())
+    if not existing.is_dir():
+        raise CheckpointError(
+            f"OUT {str(out)!r} is inside the file {str(existing)!r}, not a folder. Pick another OUT."
+        )
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"OUT {str(out)!r} exists and is not empty. Pass --overwrite to replace it, or pick another OUT."
+        )
+
+
+@contextmanager
+def staged_output(out: str | os.PathLike) -> Iterator[Path]:
+    """A staging folder next to ``out``, made at once (so a place that cannot be written fails before
+    anything is loaded or trained), renamed to ``out`` when the block ends without an error (replacing
+    an old ``out`` only then). On any error the staging folder and the parent folders made for it are
+    removed, and an ``OSError`` becomes a :class:`CheckpointError` saying nothing was written.
+
+    >>> with staged_output("alibi") as staging:
+    ...     model.save_pretrained(staging)
+    """
+    out = Path(out)
+    parent = out.expanduser().resolve().parent
+    created = [folder for folder in (parent, *parent.parents) if not folder.exists()]  # removed on failure
+    staging = None
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException as error:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # innermost first; only the folders made here, and only if empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        if isinstance(error, OSError):
+            reason = error.strerror or str(error)
+            where = f" ({error.filename})" if error.filename else ""
+            raise CheckpointError(
+                f"Could not write OUT {str(out)!r}: {reason}{where}. Nothing was written; "
+                "pick a folder you can write to."
+            ) from error
+        raise
+
+
+__all__ = [
+    "CheckpointError",
+    "ROBERTA_LIKE",
+    "TOKENIZER_FILES",
+    "check_output",
+    "has_tokenizer",
+    "is_alibi",
+    "is_hub_id",
+    "is_local",
+    "model_class_for",
+    "original_length",
+    "read_config",
+    "source_kind",
+    "staged_output",
+]

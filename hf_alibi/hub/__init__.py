@@ -1,0 +1,78 @@
+"""Sharing converted checkpoints: remote code, ``auto_map``, the model card and the Hub upload.
+
+Every folder an ALiBi model is saved to (``save_pretrained``, ``push_to_hub``, ``hf-alibi convert``)
+also gets:
+
+* ``modeling_alibi.py`` and the modules it imports: hf_alibi's own ``core`` package, byte for byte
+  (the entry module and its flat relative imports), and ``auto_map`` in config.json pointing at it,
+  so that people without hf_alibi can load the checkpoint with ``trust_remote_code=True``;
+* ``README.md``: a model card with the Hub's metadata header (kept when the folder already has one).
+
+:class:`AlibiPreTrainedMixin` is the base of every ``Alibi<Class>`` made by the registry; it routes
+``save_pretrained`` and ``push_to_hub`` through this module, so they keep the settings and the code.
+
+Modules, one job each: ``remote_code`` (the copied core files and ``auto_map``), ``card`` (README.md),
+``upload`` (:func:`push_folder`), ``saving`` (:func:`finish_folder` and the mixin; the registry imports
+only this one). The names below are loaded from them on first use, so importing the mixin does not
+load the card or upload code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "REMOTE_CODE_FILE": "remote_code",
+    "REMOTE_MODULE": "remote_code",
+    "add_remote_code": "remote_code",
+    "auto_classes_for": "remote_code",
+    "auto_map_for": "remote_code",
+    "remote_code_files": "remote_code",
+    "PIPELINE_TAGS": "card",
+    "model_card": "card",
+    "write_model_card": "card",
+    "HubConnectionError": "upload",
+    "push_folder": "upload",
+    "AlibiPreTrainedMixin": "saving",
+    "finish_folder": "saving",
+}
+__all__ = [
+    "AlibiPreTrainedMixin",
+    "HubConnectionError",
+    "PIPELINE_TAGS",
+    "REMOTE_CODE_FILE",
+    "REMOTE_MODULE",
+    "add_remote_code",
+    "auto_classes_for",
+    "auto_map_for",
+    "finish_folder",
+    "model_card",
+    "push_folder",
+    "remote_code_files",
+    "write_model_card",
+]
+
+if TYPE_CHECKING:
+    from .card import PIPELINE_TAGS, model_card, write_model_card
+    from .remote_code import (
+        REMOTE_CODE_FILE,
+        REMOTE_MODULE,
+        add_remote_code,
+        auto_classes_for,
+        auto_map_for,
+        remote_code_files,
+    )
+    from .saving import AlibiPreTrainedMixin, finish_folder
+    from .upload import HubConnectionError, push_folder
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -1,0 +1,86 @@
+"""Recover a converted checkpoint by self-distillation from the original.
+
+``patch_model`` removes a pretrained model's position path; the converted model has lost what it knew
+about order until it is trained again. Here the original model is the teacher and the converted copy
+the student, on the user's own unlabeled text at the original (short) length: the student learns to
+give the teacher's outputs without position embeddings, then runs far past the original maximum.
+
+Losses (:func:`distillation_loss`):
+
+- causal LMs: ``KL(teacher || student)`` of the next-token distributions, per token, mean over tokens
+  (with a temperature ``T``: both softened by ``T``, the KL scaled by ``T**2``);
+- encoders (and causal models without an LM head): mean squared error of the hidden states, per token
+  and feature, on the last layer (``hidden_layers="last"``) or the mean over every layer's output
+  (``"all"``);
+- seq2seq (T5): the KL of the decoder's logits (decoder input = the text, shifted) plus the encoder's
+  hidden-state loss;
+- optionally mixed with the ordinary LM / MLM loss: ``(1 - lm_weight) * distill + lm_weight * lm``.
+
+Levers (off by default; measured in benchmarks/recover.py, see README):
+``warm_start_steps`` keeps the original learned position table (a frozen copy) added to the student's
+input embeddings, faded linearly to zero over the first steps while ALiBi is on;
+``attention_only_steps`` trains only the attention weights during the first steps.
+
+Modules (each one job; everything public is re-exported here):
+
+- ``introspection``: what kind of model (causal, encoder, seq2seq), its position table and length;
+- ``losses``: the distillation losses; ``trainer``: the Trainer that applies them;
+- ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
+- ``metrics``: agreement with the teacher at 1x..8x the original length;
+- ``data``: text files, the token stream, training blocks;
+- ``api``: :func:`recover` and :class:`RecoveryResult`; ``card``: the model card section;
+- ``checkpoint``: :func:`recover_checkpoint`, what ``hf-alibi recover`` runs (folders in and out).
+
+Example:
+    >>> from hf_alibi.recover import recover
+    >>> result = recover(original_model, texts, tokenizer, max_steps=200)   # original_model is not changed
+    >>> result.student.save_pretrained("recovered")                         # a normal converted checkpoint
+    >>> result.history[-1]                                                  # agreement at 1x, 2x, 4x, 8x
+"""
+
+from .api import RecoveryResult, recover
+from .card import recovery_card_section, write_recovery_card
+from .checkpoint import recover_checkpoint
+from .data import read_texts, token_stream
+from .introspection import (
+    CAUSAL,
+    ENCODER,
+    HIDDEN_LAYERS,
+    KINDS,
+    POSITION_TABLES,
+    SEQ2SEQ,
+    model_kind,
+    original_length,
+)
+from .losses import distillation_loss, hidden_state_mse, kl_next_token
+from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl
+from .trainer import DistillationTrainer
+from .warm_start import PositionWarmStart
+
+__all__ = [
+    "CAUSAL",
+    "ENCODER",
+    "HIDDEN_LAYERS",
+    "KINDS",
+    "POSITION_TABLES",
+    "SEQ2SEQ",
+    "DistillationTrainer",
+    "PositionWarmStart",
+    "RecoveryResult",
+    "agreement",
+    "distillation_loss",
+    "embedding_cosine",
+    "format_agreement",
+    "hidden_state_mse",
+    "kl_next_token",
+    "mean_pooled",
+    "model_kind",
+    "next_token_kl",
+    "original_length",
+    "read_texts",
+    "recover",
+    "recover_checkpoint",
+    "recovery_card_section",
+    "token_stream",
+    "write_recovery_card",
+]

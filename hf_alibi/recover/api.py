@@ -1,0 +1,263 @@
+"""``recover()``: convert a copy of the model and distil the original into it."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, default_data_collator
+
+import hf_alibi
+
+from ..core.compat import name_or_path
+from .data import Blocks, as_stream, mlm_collator
+from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
+from .metrics import agreement, format_agreement
+from .trainer import DistillationTrainer
+
+
+@dataclass
+class RecoveryResult:
+    """What :func:`recover` returns: the recovered ``student`` (a converted model, eval mode), the
+    agreement ``history`` (one dict per evaluation: ``step``, ``tokens`` and :func:`agreement`'s figures)
+    and ``info`` (the settings and totals the model card reports)."""
+
+    student: PreTrainedModel
+    history: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.history[-1] if self.history else {}
+
+    @property
+    def final_line(self) -> str:
+        """The last agreement figures as one line (:func:`format_agreement`)."""
+        return format_agreement(self.final)
+
+
+class _AgreementCallback(TrainerCallback):
+    def __init__(self, evaluate: Callable[[int], None], every: int):
+        self.evaluate, self.every = evaluate, every
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every and state.global_step % self.every == 0 and state.global_step < state.max_steps:
+            self.evaluate(state.global_step)
+
+
+def recover(
+    model: PreTrainedModel,
+    texts: Sequence[str] | torch.Tensor,
+    tokenizer=None,
+    *,
+    length: int | None = None,
+    max_steps: int = 500,
+    batch_size: int = 8,
+    learning_rate: float = 2e-4,
+    warmup_steps: int | None = None,
+    weight_decay: float = 0.01,
+    lm_weight: float = 0.0,
+    temperature: float = 1.0,
+    hidden_layers: str = "last",
+    heads: int | None = None,
+    encoder_variant: str | None = None,
+    warm_start_steps: int = 0,
+    attention_only_steps: int = 0,
+    eval_texts: Sequence[str] | torch.Tensor | None = None,
+    eval_fraction: float = 0.05,
+    max_eval_tokens: int = 8192,
+    eval_factors: Sequence[int] = (1, 2, 4, 8),
+    eval_every: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    log: Callable[[str], None] | None = print,
+    output_dir: str | None = None,
+) -> RecoveryResult:
+    """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
+
+    Args:
+        model: the original (unconverted) model of a registered architecture; it is the teacher and is
+            never changed (its weights get no gradients).
+        texts: the user's unlabeled text (a list of strings; needs ``tokenizer``), or a 1-d tensor of
+            token ids. Cut into blocks of ``length`` tokens; the last ``eval_fraction`` of the tokens
+            (or ``eval_texts``) is held out for the agreement figures.
+        length: training length; default the original maximum (:func:`original_length`).
+        max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
+            with a cosine schedule, through the Trainer.
+        lm_weight: share of the ordinary LM / MLM loss in the loss (0: distillation only).
+        temperature, hidden_layers: see :func:`distillation_loss`.
+        heads, encoder_variant: passed to :func:`hf_alibi.patch_model`.
+        warm_start_steps, attention_only_steps: the levers (module docstring).
+        eval_every: agreement every this many steps (default ``max_steps // 4``), also at 0 and at the end,
+            on at most ``max_eval_tokens`` held-out tokens, at ``length`` and ``eval_factors`` x ``length``.
+        progress: the Trainer's progress bar; ``log``: where the agreement lines go (None: nowhere).
+
+    Returns:
+        :class:`RecoveryResult`; ``result.student.save_pretrained(folder)`` writes a normal converted
+        checkpoint (use :func:`write_recovery_card` to add how it was recovered to its card).
+
+    Raises:
+        ValueError: an ALiBi ``model`` (pass the original), no text, text too short for one training window,
+            or bad settings; raised before any training.
+
+    Example:
+        >>> result = recover(AutoModelForCausalLM.from_pretrained("my-gpt2"), texts, tokenizer, max_steps=300)
+        >>> result.final["ppl"], result.final["ppl_8x"]
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
+    if hf_alibi.is_alibi_model(model):
+        raise ValueError(
+            "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
+            "it was converted from."
+        )
+    if hidden_layers not in HIDDEN_LAYERS:
+        raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
+    if max_steps < 1 or batch_size < 1:
+        raise ValueError(f"max_steps and batch_size must be >= 1, got {max_steps} and {batch_size}.")
+    if not 0 < eval_fraction < 1 and eval_texts is None:
+        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
+    kind = model_kind(model)
+    length = length or original_length(model)
+    if not length:
+        raise ValueError(
+            f"{model.config.model_type} has no position table to read its length from: pass length (CLI: --length)."
+        )
+
+    stream = as_stream(texts, tokenizer, "texts")
+    if eval_texts is not None:
+        train_stream, eval_stream = stream, as_stream(eval_texts, tokenizer, "eval_texts")
+    else:
+        held = max(int(stream.numel() * eval_fraction), length + 1)
+        train_stream, eval_stream = stream[:-held], stream[-held:]
+    eval_stream = eval_stream[: max_eval_tokens + 1]
+    n_blocks = train_stream.numel() // length
+    if n_blocks < 1 or eval_stream.numel() <= length:
+        raise ValueError(
+            f"The text is too short: {stream.numel()} tokens, but recovering at length {length} needs at least one "
+            f"training window of {length} tokens and a held-out slice of {length + 1} "
+            f"({2 * length + 1} tokens in all). Pass more text, or a smaller length."
+        )
+    blocks = train_stream[: n_blocks * length].view(n_blocks, length)
+
+    teacher = model
+    was_training = teacher.training
+    requires_grad = [p.requires_grad for p in teacher.parameters()]
+    student = copy.deepcopy(teacher).requires_grad_(True)
+    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant)
+    if warm_start_steps and position_table(teacher) is None:
+        raise ValueError(
+            f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
+            "(rotary or relative positions). Use warm_start_steps=0."
+        )
+    teacher.eval()
+
+    history: list[dict[str, Any]] = []
+    tokens_per_step = batch_size * length
+    say = log or (lambda _: None)
+
+    def evaluate(step: int) -> None:
+        figures = agreement(student, teacher, eval_stream, length, eval_factors, kind)
+        history.append({"step": step, "tokens": step * tokens_per_step, **figures})
+        line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
+        _write(line, say)
+
+    evaluate(0)
+    labels = lm_weight > 0 and kind != ENCODER
+    collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER else default_data_collator
+    scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_recover_") if output_dir is None else None
+    args = TrainingArguments(
+        output_dir=output_dir or scratch.name,
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        warmup_steps=max(1, max_steps // 20) if warmup_steps is None else warmup_steps,
+        lr_scheduler_type="cosine",
+        weight_decay=weight_decay,
+        max_grad_norm=1.0,
+        logging_steps=max(1, max_steps // 10),
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        disable_tqdm=not progress,
+        remove_unused_columns=False,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+    )
+    trainer = DistillationTrainer(
+        model=student,
+        args=args,
+        train_dataset=Blocks(blocks, labels),
+        data_collator=collator,
+        teacher=teacher,
+        kind=kind,
+        lm_weight=lm_weight,
+        temperature=temperature,
+        hidden_layers=hidden_layers,
+        warm_start_steps=warm_start_steps,
+        attention_only_steps=attention_only_steps,
+        callbacks=[_AgreementCallback(evaluate, max_steps // 4 if eval_every is None else eval_every)],
+    )
+    if not progress:
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+        teacher.train(was_training)
+        for parameter, flag in zip(teacher.parameters(), requires_grad):  # the trainer froze it; give it back
+            parameter.requires_grad_(flag)
+    seconds = time.perf_counter() - start
+    student = trainer.accelerator.unwrap_model(trainer.model).eval()
+    evaluate(max_steps)
+    epochs = max_steps * batch_size / n_blocks
+    info = {
+        "teacher": name_or_path(teacher.config) or type(teacher).__name__,
+        "kind": kind,
+        "loss": _loss_name(kind, hidden_layers, lm_weight, temperature),
+        "steps": max_steps,
+        "batch_size": batch_size,
+        "length": length,
+        "tokens": max_steps * tokens_per_step,
+        "train_tokens_available": int(n_blocks * length),
+        "epochs": round(epochs, 3),
+        "learning_rate": learning_rate,
+        "warm_start_steps": warm_start_steps,
+        "attention_only_steps": attention_only_steps,
+        "encoder_variant": hf_alibi.get_settings(student.config).encoder_variant,
+        "eval_tokens": int(eval_stream.numel()),
+        "train_seconds": round(seconds, 1),
+    }
+    return RecoveryResult(student=student, history=history, info=info)
+
+
+def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:
+    if kind == CAUSAL:
+        name = f"KL(teacher ‖ student) of next-token distributions (temperature {temperature:g})"
+    else:
+        layers = "last layer" if hidden_layers == "last" else "every layer"
+        name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ else "")
+    if lm_weight:
+        name += f", mixed with the {'MLM' if kind == ENCODER else 'LM'} loss (weight {lm_weight:g})"
+    return name
+
+
+def _write(line: str, say: Callable[[str], None]) -> None:
+    if say is print:
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line)
+            return
+        except ImportError:
+            pass
+    say(line)

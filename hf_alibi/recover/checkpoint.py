@@ -1,0 +1,106 @@
+"""``hf-alibi recover SRC OUT --train_file F``: the checkpoint job around :func:`recover`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from ..checkpoints import (
+    CheckpointError,
+    check_output,
+    has_tokenizer,
+    is_alibi,
+    is_local,
+    model_class_for,
+    original_length,
+    read_config,
+    staged_output,
+)
+from ..hub import finish_folder
+from .api import recover
+from .card import write_recovery_card
+from .data import read_texts, token_stream
+
+
+def recover_checkpoint(
+    src: str,
+    out: str | os.PathLike,
+    train_file: str | os.PathLike,
+    *,
+    validation_file: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    **settings: Any,
+):
+    """What ``hf-alibi recover SRC OUT --train_file F`` does: load the original checkpoint ``src``, convert
+    a copy, distil (:func:`recover`, ``settings`` are its keyword arguments), and write ``out`` as a
+    normal converted checkpoint (weights, config with the ALiBi settings, remote code, tokenizer) whose
+    model card says how it was recovered, plus ``recovery.json`` (settings and agreement history).
+
+    Every input is checked before training, and ``out`` is written into a staging folder next to it and
+    renamed at the end: a failure leaves no half-written ``out``. Raises
+    :class:`hf_alibi.checkpoints.CheckpointError` (a ``ValueError``) for bad input, before anything is
+    loaded or trained: OUT is checked and its staging folder made first.
+
+    Example:
+        >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", max_steps=300)
+    """
+    out = Path(out)
+    check_output(src, out, overwrite)
+    config_dict = read_config(src)
+    if is_alibi(config_dict):
+        raise CheckpointError(
+            f"SRC {src!r} is already an ALiBi checkpoint (model_type {config_dict['model_type']!r}); recover needs "
+            "the original checkpoint it was converted from (the teacher)."
+        )
+    model_cls = model_class_for(config_dict)
+    texts = read_texts(train_file)
+    eval_texts = read_texts(validation_file) if validation_file is not None else None
+    if has_tokenizer(src) is False:
+        raise CheckpointError(
+            f"SRC {src!r} has no tokenizer files; recover needs the model's tokenizer to read the text."
+        )
+    with staged_output(out) as staging:  # made first: a place that cannot be written fails before training
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src)
+        except Exception as error:
+            raise CheckpointError(f"Could not load the tokenizer of SRC {src!r}: {error}") from error
+        stream = token_stream(texts, tokenizer)
+        eval_stream = token_stream(eval_texts, tokenizer) if eval_texts is not None else None
+        length = settings.get("length") or original_length(config_dict)
+        if eval_stream is None:
+            too_short = length and stream.numel() < 2 * length + 1
+        else:
+            too_short = length and (stream.numel() < length or eval_stream.numel() < length + 1)
+        if too_short:
+            raise CheckpointError(
+                f"The text is too short: {stream.numel()} tokens, but recovering at length {length} needs at least "
+                f"one training window of {length} tokens and a held-out slice of {length + 1}. "
+                "Pass more text, or --length."
+            )
+        try:
+            teacher = model_cls.from_pretrained(src)
+        except Exception as error:
+            raise CheckpointError(
+                f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}"
+            ) from error
+        try:
+            result = recover(teacher, stream, tokenizer, eval_texts=eval_stream, **settings)
+        except CheckpointError:
+            raise
+        except ValueError as error:
+            raise CheckpointError(str(error)) from error
+        result.info["teacher"] = src
+
+        result.student.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "README.md").unlink(missing_ok=True)
+        finish_folder(staging, result.student.config, base_model=None if is_local(src) else src)
+        write_recovery_card(staging, result)
+        (staging / "recovery.json").write_text(
+            json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
+        )
+    return out, result

@@ -1,0 +1,164 @@
+"""hf_alibi/checkpoints.py: one answer to each question about a checkpoint, and the outer layer's imports."""
+
+import ast
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, RobertaConfig, RobertaModel, T5Config
+
+from hf_alibi import checkpoints
+from hf_alibi.checkpoints import CheckpointError, is_alibi, original_length, source_kind
+from hf_alibi.evaluation import position_limit
+from hf_alibi.recover import original_length as model_original_length
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_alibi"
+
+
+def tiny_roberta(pad_token_id=1) -> RobertaModel:
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=66, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    return RobertaModel(config).eval()
+
+
+def test_roberta_length_is_what_the_model_can_run():
+    """The reference is the model itself: RoBERTa numbers positions from pad + 1, so 66 rows hold 64 tokens."""
+    model = tiny_roberta()
+    ids = torch.full((1, 65), 7)
+    with torch.no_grad():
+        model(input_ids=ids[:, :64])  # positions 2..65: the last row of the table
+        with pytest.raises((IndexError, RuntimeError), match="out of (range|bounds)"):
+            model(input_ids=ids)  # position 66: past the table
+    config_dict = model.config.to_dict()
+    assert original_length(config_dict) == original_length(model.config) == original_length(model) == 64
+    assert model_original_length(model) == 64  # hf_alibi.recover
+    assert position_limit(model) == 64  # hf_alibi.evaluation (was 66: the table's rows)
+
+
+def test_original_length_other_configs():
+    assert original_length(GPT2Config(n_positions=48)) == 48
+    assert original_length({"model_type": "gpt2", "n_positions": 48}) == 48
+    assert original_length(LlamaConfig(max_position_embeddings=8192)) == 8192
+    assert original_length(T5Config()) is None  # relative positions: no limit stated
+    # a null pad_token_id no longer raises TypeError; it counts as 0 (offset 1)
+    assert original_length({"model_type": "roberta", "max_position_embeddings": 66, "pad_token_id": None}) == 65
+    assert original_length({"model_type": "bert", "max_position_embeddings": 66, "pad_token_id": None}) == 66
+
+
+def test_is_alibi_for_dicts_and_configs():
+    assert is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 4}})
+    assert not is_alibi({"model_type": "gpt2", "alibi": {"heads": 4}})  # the prefix is part of the rule
+    assert not is_alibi({"model_type": "alibi_gpt2"})  # and the settings
+    assert not is_alibi(GPT2Config())
+
+
+@pytest.mark.parametrize("name", ["my folder/v1", "user/na me", "a--b", "x/" + "y" * 120])
+def test_a_name_that_is_neither_is_refused_at_once(name):
+    assert not checkpoints.is_local(name) and not checkpoints.is_hub_id(name)
+    with pytest.raises(CheckpointError, match="neither a folder nor a valid Hub id"):
+        source_kind(name)
+
+
+def test_folders_and_hub_ids(tmp_path):
+    assert source_kind(str(tmp_path)) == "folder" and source_kind("./missing") == "folder"
+    assert source_kind("a/b/c") == "folder"  # more than one "/": a path, never a Hub id
+    assert checkpoints.is_hub_id("openai-community/gpt2") and checkpoints.is_hub_id("gpt2")
+
+
+def test_offline_hub_id_fails_without_waiting(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE is set and it is not in the local cache"):
+        checkpoints.read_config("someone/some-model")
+    assert time.perf_counter() - start < 5  # no network attempt (a generous bound, not a benchmark)
+
+
+def test_staged_output_turns_oserror_into_one_error(tmp_path):
+    out = tmp_path / "new" / "out"
+    with pytest.raises(CheckpointError, match="Could not write OUT .*: No space left on device"):
+        with checkpoints.staged_output(out) as staging:
+            (staging / "weights").write_text("half")
+            raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []  # the staging folder and the parent it made are gone
+    with checkpoints.staged_output(out) as staging:
+        (staging / "weights").write_text("whole")
+    assert [p.name for p in out.iterdir()] == ["weights"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+# ---------------------------------------------------------------------------------------------- imports
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The hf_alibi modules ``path`` imports at module level (imports inside functions run later)."""
+    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If):  # TYPE_CHECKING blocks do not run
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("hf_alibi"):
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("hf_alibi"))
+    return found
+
+
+def test_the_outer_layer_has_no_import_cycle():
+    modules = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+        if "core" not in p.relative_to(PACKAGE).parts
+    }
+    graph = {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    # a package imports its submodules; a submodule importing its own package's __init__ is the parent's job
+    for name in graph:
+        graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}
+    visiting, done = set(), set()
+
+    def visit(name, trail):
+        assert name not in visiting, f"import cycle: {' -> '.join(trail + [name])}"
+        if name in done:
+            return
+        visiting.add(name)
+        for target in sorted(graph[name]):
+            visit(target, trail + [name])
+        visiting.discard(name)
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert "hf_alibi.cli" not in graph["hf_alibi.recover.checkpoint"]
+    assert not any(m.startswith("hf_alibi.recover") for m in graph["hf_alibi.cli"])
+
+
+@pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
+@pytest.mark.parametrize(
+    "name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.recover.checkpoint"]
+)
+def test_a_module_imports_first_in_a_fresh_interpreter(name):
+    """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
+    code = "import importlib, sys; importlib.import_module(sys.argv[1])"
+    child = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
+    assert child.returncode == 0, f"{name}: {child.stderr[-2000:]}"
+
+
+def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
+    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
