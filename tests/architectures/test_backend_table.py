@@ -1,6 +1,6 @@
-"""README's backend table says, per backend, which model types transformers allows it for: it must match
-the ``_supports_*`` flags of every registered architecture's classes, and a converted model set to a
-backend its class refuses must fail clearly and stay usable."""
+"""The backend table in docs/attention.md says, per backend, which model types transformers allows it for: it
+must match the ``_supports_*`` flags of every registered architecture's classes, and a converted model set to
+a backend its class refuses must fail clearly and stay usable."""
 
 import re
 
@@ -21,9 +21,9 @@ FLAGS = {
 }
 
 
-def readme_table() -> dict[str, tuple[set[str], set[str]]]:
-    """backend -> (model types listed as allowed, model types listed after 'not'), from README.md."""
-    text = (REPO_ROOT / "README.md").read_text()
+def documented_table() -> dict[str, tuple[set[str], set[str]]]:
+    """backend -> (model types listed as allowed, model types listed after 'not'), from docs/attention.md."""
+    text = (REPO_ROOT / "docs" / "attention.md").read_text()
     start = text.index("| `attn_implementation` | how the bias is applied |")
     rows = text[start:].split("\n\n", 1)[0].splitlines()[2:]
     table: dict[str, tuple[set[str], set[str]]] = {}
@@ -50,20 +50,20 @@ def allowed_by_flags(model_type: str, backend: str) -> bool:
     return values.pop()
 
 
-def test_readme_backend_table_matches_transformers_flags():
-    table = readme_table()
+def test_documented_backend_table_matches_transformers_flags():
+    table = documented_table()
     assert sorted(table) == sorted(FLAGS)
     types = set(hf_alibi.supported_model_types())
     for backend, (allowed, refused) in table.items():
         assert allowed | refused == types and not allowed & refused, (backend, allowed, refused)
         expected = {t for t in types if allowed_by_flags(t, backend)}
-        assert allowed == expected, f"README: {backend} for {sorted(allowed)}, flags: {sorted(expected)}"
+        assert allowed == expected, f"docs/attention.md: {backend} for {sorted(allowed)}, flags: {sorted(expected)}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name == c.model_type], ids=lambda c: c.name)
-def test_readme_table_matches_what_plain_transformers_does(case):
-    """Not the flags: the unpatched model itself, asked for each backend the README lists it under."""
-    allowed_or_refused = {backend: case.model_type in allowed for backend, (allowed, _) in readme_table().items()}
+def test_documented_table_matches_what_plain_transformers_does(case):
+    """Not the flags: the unpatched model itself, asked for each backend the docs list it under."""
+    allowed_or_refused = {backend: case.model_type in allowed for backend, (allowed, _) in documented_table().items()}
     for backend in ("eager", "sdpa", "flex_attention", "flash_attention_2"):
         model = case.make()
         if allowed_or_refused[backend]:

@@ -300,7 +300,7 @@ def test_row_construction_refuses_nothing_it_cannot_do():
 
 
 # ---------------------------------------------------------------------------------------------
-# The automatic choice (README, Performance), asserted on the path taken: (backend, kind, dtype,
+# The automatic choice (docs/attention.md), asserted on the path taken: (backend, kind, dtype,
 # queries, keys, mask, dropout) -> (path, fold construction)
 
 N = FOLD_MIN_QUERIES
@@ -483,7 +483,8 @@ def test_gpu_flex_trains_and_matches_reference(dtype):
         assert (mine.grad.cpu().double() - theirs.grad).abs().max().item() <= (1e-3 if tol < 1e-3 else 3e-2) * scale
 
 
-if __name__ == "__main__":  # the README's accuracy table: PYTHONPATH=tests python tests/core/test_folded_half.py
+# the accuracy table in docs/attention.md: PYTHONPATH=tests python tests/core/test_folded_half.py
+if __name__ == "__main__":
     print("| L | dtype | fold (row) max / rms | fold (channel) max / rms | bias path max / rms |")
     print("|---|---|---|---|---|")
     for length in (1024, 4096, 16384, 32768):

@@ -122,6 +122,25 @@ def test_evaluate_lengths_reports_what_cannot_run(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_format_table_prints_three_decimals():
+    """What the main job prints, and docs/training.md copies: perplexity and ratio, each to 3 decimals, the
+    ratio taken from the unrounded perplexities."""
+    figures = {"128": {"perplexity": 181.8249}, "256": {"perplexity": 176.78449}}
+    sliding = {"128": {"perplexity": 108.76449}, "256": {"perplexity": 108.7661}}
+    results = {
+        "lengths": [128, 256],
+        "stride": None,
+        "splits": {"validation": {"tokens": 8192, "nonoverlapping": figures, "sliding": sliding}},
+    }
+    rows = format_table(results).splitlines()
+    assert rows[0] == "validation (8192 tokens)"
+    cells = [[c.strip() for c in row.split("|")] for row in rows[2:4]]
+    # by hand: 176.78449 / 181.8249 = 0.97228...; 108.7661 / 108.76449 = 1.0000148
+    assert cells[0] == ["128", "181.825", "1.000", "108.764", "1.000"]
+    assert cells[1] == ["256", "176.784", "0.972", "108.766", "1.000"]
+    assert rows[-1] == "ratio = ppl(length) / ppl(128); sliding stride = length // 2"
+
+
 def test_loss_is_near_uniform_for_untrained_model():
     # sanity anchor independent of the windows: an untrained tiny model is close to uniform
     model = hf_alibi.patch_model(tiny_gpt2())

@@ -1,0 +1,69 @@
+"""The docs stay usable: CI runs README's test command after README's install steps, and every relative link
+in README.md, CONTRIBUTING.md and docs/ reaches a file and, with a #fragment, one of its headings."""
+
+import re
+import shlex
+
+import pytest
+from sharing import REPO_ROOT
+
+PAGES = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def readme_test_steps() -> list[list[str]]:
+    """The `&&`-separated steps of README's fresh-machine test command, each as argv."""
+    text = (REPO_ROOT / "README.md").read_text()
+    block = text[text.index("Tests (installs what they need") :].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(step) for step in block.strip().split(" && ")]
+
+
+def ci_steps() -> list[list[str]]:
+    """.ci/run's commands as argv, `python3 -m tool` read as `tool`, pip's `-q` dropped."""
+    steps = []
+    for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv[:2] == ["python3", "-m"]:
+            steps.append([a for a in argv[2:] if not (argv[2] == "pip" and a == "-q")])
+    return steps
+
+
+def test_ci_runs_readme_test_command():
+    expected = [
+        ["pip", "install", "torch==2.13.0"],
+        ["pip", "install", "-e", ".[dev]"],
+        ["ruff", "check", "."],
+        ["pytest", "-q", "-m", "not slow"],
+    ]
+    assert readme_test_steps() == expected
+    assert ci_steps() == expected
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation other than - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_github_anchor_examples():
+    assert github_anchor("CPU, Llama (grouped-query attention)") == "cpu-llama-grouped-query-attention"
+    assert github_anchor("Without `trust_remote_code`") == "without-trust_remote_code"
+
+
+def anchors(page) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # a `# comment` in a code block is no heading
+    return {github_anchor(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    if page.name == "README.md":  # the pattern itself finds them
+        assert "docs/attention.md" in links and "CONTRIBUTING.md#tests" in links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        target, _, fragment = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        assert path.exists(), f"{page.name}: link {link} -> {path} does not exist"
+        if fragment and path.suffix == ".md":
+            assert fragment in anchors(path), f"{page.name}: link {link}: no heading #{fragment} in {path.name}"
