@@ -1,7 +1,8 @@
 """Which transformers architectures hf_alibi covers, checked against transformers itself.
 
-No silent claims of "all": every model type whose modeling file builds a ``rotary_emb`` on its model
-and has no row is printed, so the uncovered set is known.
+No silent claims of "all": ``python tests/architectures/test_architecture_coverage.py`` prints every model
+type whose modeling file builds a ``rotary_emb`` on its model and has no row, so the uncovered set is known
+(the tests do not print it into every CI log).
 """
 
 import importlib
@@ -37,17 +38,6 @@ def test_every_rotary_row_is_a_rotary_model_of_transformers():
     assert set(rows) <= set(rotary), sorted(set(rows) - set(rotary))
 
 
-def test_uncovered_rotary_models_are_listed(capsys):
-    rotary = rotary_model_types()
-    uncovered = sorted(set(rotary) - set(hf_alibi.supported_model_types()))
-    with capsys.disabled():
-        print(
-            f"\nhf_alibi covers {len(set(rotary) & set(hf_alibi.supported_model_types()))} of the {len(rotary)} "
-            f"transformers model types with a rotary_emb; not covered ({len(uncovered)}): {', '.join(uncovered)}"
-        )
-    assert all(t in CONFIG_MAPPING_NAMES for t in uncovered)
-
-
 def test_patches_the_registry_and_the_test_cases_list_the_same_architectures():
     modules = {info.name: importlib.import_module(f"hf_alibi.patches.{info.name}")
                for info in pkgutil.iter_modules(hf_alibi.patches.__path__)}  # fmt: skip
@@ -60,3 +50,12 @@ def test_patches_the_registry_and_the_test_cases_list_the_same_architectures():
         assert {row.strategy for row in module.ROWS} == {name}
     for row in rows:
         assert hf_alibi.get_architecture(row.model_type) is row
+
+
+if __name__ == "__main__":
+    rotary = rotary_model_types()
+    uncovered = sorted(set(rotary) - set(hf_alibi.supported_model_types()))
+    print(
+        f"hf_alibi covers {len(set(rotary) & set(hf_alibi.supported_model_types()))} of the {len(rotary)} "
+        f"transformers model types with a rotary_emb; not covered ({len(uncovered)}): {', '.join(uncovered)}"
+    )
