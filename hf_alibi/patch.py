@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import PreTrainedModel
 
 from .core.config import AlibiSettings, check_pretrained_options, get_settings, is_alibi_config
@@ -9,16 +11,24 @@ from .core.modeling import check_sinks_fit, convert
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .registry import alibi_classes, get_architecture
 
-# The original length: the value the preset's rotary bound takes on rotary rows (and nothing elsewhere).
-ORIGINAL_LENGTH = "original_length"
+
+@dataclass(frozen=True)
+class OriginalLength:
+    """A preset's rotary bound as a multiple of the original ``max_position_embeddings`` (rotary rows only)."""
+
+    times: float = 1.0
+
+
 # Named settings for patch_model(preset=...): the one table to change when better values are measured.
-# "pretrained": for a pretrained checkpoint (no training after the conversion). Measured on SmolLM2-135M
-# (English prose, 256 tokens; ppl 17.6 unconverted): the paper's method 6,610; rotary frequencies of
-# wavelength > 8192 kept out and no ALiBi 17.8; that plus ALiBi with the first key exempt 39.6, with slopes
-# x 0.1 as well 20.4. Attention sinks (StreamingLLM) keep the first tokens' role, short wavelengths the
-# local order the model learned; small slopes keep the bias from overriding what the model attends to.
+# "pretrained": for a pretrained checkpoint (no training after the conversion, or before recovery).
+# Measured on SmolLM2-135M-Instruct (8k context), English prose, no training (docs/pretrained.md): the
+# paper's method 6,610 at 256 tokens (17.6 unconverted). One attention sink is essential (sinks=0 with
+# slopes x 0.1: 38x the original's perplexity at 1024; 4 sinks are no better than 1); slopes x 0.01 are
+# within 1.02x at 1024 (x 0.1: 1.21x); removing the rotary frequencies of wavelength > 8192 costs nothing at
+# 1024 but 3.4x at 4096, while a bound of 8 x 8192 (26 of 32 frequencies kept) is 1.07x at 4096, the same as
+# keeping every frequency.
 PRESETS: dict[str, dict] = {
-    "pretrained": {"sinks": 4, "rotary_max_wavelength": ORIGINAL_LENGTH, "slope_scale": 0.1},
+    "pretrained": {"sinks": 1, "rotary_max_wavelength": OriginalLength(8.0), "slope_scale": 0.01},
 }
 
 
@@ -35,19 +45,20 @@ def resolve_options(
     """The pretrained options ``patch_model`` stores: the preset's, overridden by the explicit ones.
 
     ``config`` is the ORIGINAL config (its ``max_position_embeddings`` is cleared by the conversion);
-    a preset's rotary bound is that length on rotary rows and ``None`` on the others. Explicit
+    a preset's rotary bound is a multiple of that length on rotary rows and ``None`` on the others. Explicit
     ``slopes`` drop a preset's ``slope_scale``.
 
     >>> resolve_options(llama_config, get_architecture("llama"), "pretrained")  # doctest: +SKIP
-    {'sinks': 4, 'rotary_max_wavelength': 8192.0, 'slope_scale': 0.1, 'slopes': None}
+    {'sinks': 1, 'rotary_max_wavelength': 65536.0, 'slope_scale': 0.01, 'slopes': None}
     """
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} (or None: the paper's method).")
     values = {"sinks": 0, "rotary_max_wavelength": None, "slope_scale": 1.0, "slopes": None}
     values.update(PRESETS.get(preset, {}))
-    if values["rotary_max_wavelength"] == ORIGINAL_LENGTH:
+    bound = values["rotary_max_wavelength"]
+    if isinstance(bound, OriginalLength):
         length = getattr(config, "max_position_embeddings", None)
-        values["rotary_max_wavelength"] = float(length) if row.strategy == "rotary" and length else None
+        values["rotary_max_wavelength"] = bound.times * length if row.strategy == "rotary" and length else None
     explicit = dict(sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale, slopes=slopes)
     values.update({name: value for name, value in explicit.items() if value is not None})
     if slopes is not None and slope_scale is None:

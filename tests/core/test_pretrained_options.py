@@ -183,9 +183,9 @@ def test_settings_are_saved_and_reload(tmp_path):
     model = hf_alibi.patch_model(make("llama"), preset="pretrained", slope_scale=0.25)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["alibi"]
-    # the preset's values, the explicit slope_scale over the preset's, the bound = the original 16 positions
-    assert saved["sinks"] == PRESETS["pretrained"]["sinks"] == 4
-    assert saved["rotary_max_wavelength"] == 16.0 and saved["slope_scale"] == 0.25 and saved["slopes"] is None
+    # the preset's values, the explicit slope_scale over the preset's, the bound = 8 x the original 16 positions
+    assert saved["sinks"] == PRESETS["pretrained"]["sinks"] == 1
+    assert saved["rotary_max_wavelength"] == 128.0 and saved["slope_scale"] == 0.25 and saved["slopes"] is None
     ids, mask = left_padded()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_settings_are_saved_and_reload(tmp_path):
 
 def test_the_preset_on_a_model_without_rotary_sets_no_bound():
     model = hf_alibi.patch_model(tiny_gpt2(), preset="pretrained")
-    assert model.config.alibi["rotary_max_wavelength"] is None and model.config.alibi["sinks"] == 4
+    assert model.config.alibi["rotary_max_wavelength"] is None and model.config.alibi["sinks"] == 1
 
 
 def test_old_settings_without_the_new_keys_are_the_paper():
