@@ -26,7 +26,7 @@
 import os
 import warnings
 
-# "full" (default): well under a minute on a laptop CPU. "ci": the tests' quick run.
+# "full" (default): about a minute of CPU time (inductor's first build included). "ci": the tests' quick run.
 SIZE = os.environ.get("HF_ALIBI_NOTEBOOK_SIZE", "full")
 assert SIZE in ("full", "ci"), SIZE
 FULL = SIZE == "full"
