@@ -57,9 +57,7 @@ print("position table:", original.transformer.wpe)
 import copy
 
 model = hf_alibi.patch_model(copy.deepcopy(original))
-print(
-    type(model).__name__, "| model_type:", model.config.model_type, "| attention:", model.config._attn_implementation
-)
+print(type(model).__name__, "| model_type:", model.config.model_type)
 print("settings:", model.config.alibi)
 print("slopes m_h:", [round(s, 5) for s in hf_alibi.get_slopes_list(8)])
 print(model.transformer.h[0].attn.alibi)
@@ -69,9 +67,13 @@ print(model.transformer.h[0].attn.alibi)
 #
 # Each head `h` adds `-m_h * (i - j)` to the score of query `i` and key `j <= i`; keys after the query
 # are masked (white). Steep heads look only at the last few tokens, shallow heads far back.
+# `hf_alibi.alibi_bias` builds the bias the converted layers add (`"causal"` here; the encoders' forms in
+# the encoders notebook) from the slopes `hf_alibi.get_slopes` gives.
 
 # %%
-bias = model.transformer.h[0].attn.alibi(16, 16, torch.device("cpu"), float("-inf"))[0]  # (heads, q, kv)
+settings = hf_alibi.get_settings(model.config)  # what config.json stores
+bias = hf_alibi.alibi_bias("causal", 16, 16, hf_alibi.get_slopes(settings.heads), masked_value=float("-inf"))
+bias = bias[0]  # (heads, q, kv)
 heads = [0, 2, 5, 7]
 fig, axes = plt.subplots(1, len(heads), figsize=(3.2 * len(heads), 3))
 for ax, h in zip(axes, heads):

@@ -164,8 +164,9 @@ plt.show()
 # %% [markdown]
 # With learned positions, the rows of the table past `L` were never trained, and perplexity climbs as
 # soon as the inputs reach them. With ALiBi there is no table: the same fixed penalty applies at every
-# distance, and the longer context is usable. (The "full" run above takes a few minutes on a CPU; at the
-# paper's scale the same shape shows: see `ALIBI_NOTES.md`, and `scripts/run_clm.py` for real runs.)
+# distance, and the longer context is usable. (The "full" run above takes a few minutes on a CPU. Larger
+# runs, against rotary positions too: [docs/benchmarks.md](../docs/benchmarks.md#train-short-test-long);
+# training your own with `scripts/run_clm.py`: [docs/training.md](../docs/training.md).)
 
 # %%
 alibi, learned = results["ALiBi"], results["learned positions"]

@@ -75,12 +75,26 @@ for name, model in variants.items():
 #
 # Rows are queries, columns keys; masked entries are white. Heads 0 and 3 are in the first half
 # (left-looking under `nonsymmetric`), heads 4 and 7 in the second half (right-looking).
+# `hf_alibi.alibi_bias(variant, ...)` builds each form: from the paper's slopes (`hf_alibi.get_slopes`), or
+# for `learned` from the layer's own slopes, `-sigmoid` of its parameters.
+
 
 # %%
+def bias_of(model, length: int) -> torch.Tensor:
+    """The bias of the first layer of a converted BERT, (heads, q, kv)."""
+    settings = hf_alibi.get_settings(model.config)
+    if settings.encoder_variant == "learned":
+        alibi = model.bert.encoder.layer[0].attention.self.alibi
+        left, right = -torch.sigmoid(alibi.slopes_left), -torch.sigmoid(alibi.slopes_right)
+        return hf_alibi.alibi_bias("learned", length, length, left, slopes_right=right)[0]
+    slopes = hf_alibi.get_slopes(settings.heads)
+    return hf_alibi.alibi_bias(settings.encoder_variant, length, length, slopes, masked_value=float("-inf"))[0]
+
+
 length, heads = 12, [0, 3, 4, 7]
 fig, axes = plt.subplots(3, len(heads), figsize=(2.8 * len(heads), 8))
 for row, (name, model) in enumerate(variants.items()):
-    bias = model.bert.encoder.layer[0].attention.self.alibi(length, length, torch.device("cpu"), float("-inf"))[0]
+    bias = bias_of(model, length)
     for col, h in enumerate(heads):
         ax = axes[row, col]
         ax.imshow(bias[h].detach().numpy(), cmap="viridis")
@@ -93,12 +107,7 @@ plt.show()
 # symmetric: exactly -m_h |i - j| with the paper's slopes
 slopes = torch.tensor(hf_alibi.get_slopes_list(8))
 i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
-symmetric = (
-    variants["symmetric"]
-    .bert.encoder.layer[0]
-    .attention.self.alibi(length, length, torch.device("cpu"), float("-inf"))[0]
-)
-assert torch.equal(symmetric, -slopes[:, None, None] * (i - j).abs())
+assert torch.equal(bias_of(variants["symmetric"], length), -slopes[:, None, None] * (i - j).abs())
 
 # %% [markdown]
 # ## The learned variant trains its slopes
@@ -170,15 +179,11 @@ print("decoder cross-attention has a bias:", hasattr(t5.decoder.block[0].layer[1
 print("relative_attention_bias left:", [n for n, _ in t5.named_parameters() if "relative_attention_bias" in n])
 
 fig, axes = plt.subplots(1, 2, figsize=(7, 3.2))
-for ax, (title, module) in zip(
-    axes,
-    [
-        ("encoder, head 0", block.layer[0].SelfAttention),
-        ("decoder, head 0", t5.decoder.block[0].layer[0].SelfAttention),
-    ],
-):
-    ax.imshow(module.alibi(10, 10, torch.device("cpu"), float("-inf"))[0, 0].numpy(), cmap="viridis")
-    ax.set_title(title)
+t5_slopes = hf_alibi.get_slopes(t5_config.num_heads)
+for ax, kind in zip(axes, ["symmetric", "causal"]):
+    bias = hf_alibi.alibi_bias(kind, 10, 10, t5_slopes, masked_value=float("-inf"))[0, 0]
+    ax.imshow(bias.numpy(), cmap="viridis")
+    ax.set_title(f"{'encoder' if kind == 'symmetric' else 'decoder'} ({kind}), head 0")
 fig.tight_layout()
 plt.show()
 

@@ -63,10 +63,12 @@ print(sorted(os.listdir(src)))
 
 
 def hf_alibi_cli(*args):
-    # `hf-alibi ...` in a shell; `python -m hf_alibi` is the same command
+    # `hf-alibi ...` in a shell; `python -m hf_alibi` is the same command. Everything it prints is shown,
+    # stdout then stderr, and the exit status.
     result = subprocess.run([sys.executable, "-m", "hf_alibi", *map(str, args)], capture_output=True, text=True)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hf-alibi:")]  # not progress bars
-    print("\n".join([f"$ hf-alibi {' '.join(map(str, args))}", result.stdout.strip(), *errors]).strip(), "\n")
+    print(f"$ hf-alibi {' '.join(map(str, args))}")
+    print(result.stdout + result.stderr, end="")
+    print(f"(exit status {result.returncode})\n")
     return result.returncode
 
 
@@ -117,11 +119,9 @@ assert "alibi" in card.data.tags
 import json
 
 print(json.dumps(json.load(open(out / "config.json"))["auto_map"], indent=1))
-from pathlib import Path
+import hf_alibi
 
-import hf_alibi.core
-
-core = Path(hf_alibi.core.__file__).parent
+core = Path(hf_alibi.__file__).parent / "core"
 code = sorted(path.name for path in out.glob("*.py"))
 print(len(code), "code files:", ", ".join(code))
 assert all((out / name).read_bytes() == (core / name).read_bytes() for name in code)  # the library's own files
