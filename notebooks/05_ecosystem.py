@@ -87,10 +87,11 @@ print(f"pretrained {steps} steps x 16 x {L} tokens; last loss {loss.item():.3f}"
 # ## Converting a pretrained checkpoint: `preset="pretrained"`
 #
 # `patch_model(model)` is the paper's method, for training from scratch. On a checkpoint that was
-# pretrained with positions, `preset="pretrained"` keeps more of what it knew: the first 4 tokens are
-# attention sinks (no distance penalty), the slopes are a tenth of the paper's, and on rotary models the
-# short rotary wavelengths stay (GPT-2 has none). Both convert a copy here; the KL of their next-token
-# distributions to the original's, on held-out text at the original length, says how far each moved.
+# pretrained with positions, `preset="pretrained"` keeps more of what it knew: the first token is an
+# attention sink (no distance penalty), the slopes are a hundredth of the paper's, and on rotary models the
+# rotary frequencies up to 8x the trained length stay (GPT-2 has none). Both convert a copy here; the KL
+# of their next-token distributions to the original's, on held-out text at the original length, says how
+# far each moved.
 
 # %%
 paper = hf_alibi.patch_model(copy.deepcopy(original)).eval()
@@ -100,12 +101,13 @@ print("preset settings:", {k: getattr(settings, k) for k in ("sinks", "slope_sca
 kl = {"paper": next_token_kl(paper, original, held_out, L), "preset": next_token_kl(preset, original, held_out, L)}
 print("KL(original || converted) per token:", {name: round(value, 4) for name, value in kl.items()})
 
-# The preset's bias: the paper's slopes x 0.1, and keys 0..3 free of any penalty
-bias = hf_alibi.alibi_bias("causal", 8, 8, 0.1 * hf_alibi.get_slopes(4), masked_value=float("-inf"), sinks=4)[0, 0]
+# The preset's bias in head 0 (paper slope 1/4 for 4 heads): x 0.01, and key 0 free of any penalty
+assert settings.sinks == 1 and settings.slope_scale == 0.01
+scaled = 0.01 * hf_alibi.get_slopes(4)
+bias = hf_alibi.alibi_bias("causal", 8, 8, scaled, masked_value=float("-inf"), sinks=1)[0, 0]
 print(bias)
 i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
-expected = torch.where(j <= i, torch.where(j < 4, 0.0, -0.1 * 2.0**-2 * (i - j)), float("-inf"))
-assert settings.sinks == 4 and settings.slope_scale == 0.1
+expected = torch.where(j <= i, torch.where(j < 1, 0.0, -0.01 * 2.0**-2 * (i - j)), float("-inf"))
 assert torch.allclose(bias, expected)
 
 # %% [markdown]
