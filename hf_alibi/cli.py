@@ -68,7 +68,11 @@ def convert(
     config_dict = read_config(src)
     model_cls = model_class_for(config_dict)
     try:
-        settings_for(AutoConfig.for_model(**config_dict), heads, encoder_variant, **options)
+        config = AutoConfig.for_model(**config_dict)
+    except Exception as error:
+        raise CliError(f"SRC {src!r} has a config.json transformers cannot build a config from: {error}") from error
+    try:
+        settings_for(config, heads, encoder_variant, **options)
     except ValueError as error:
         raise CliError(str(error)) from error
     with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
@@ -205,13 +209,17 @@ def _options_line(info: dict) -> str:
     else:
         scale = info.get("slope_scale", 1.0)
         slopes = "the paper's" if scale == 1.0 else f"the paper's x {scale:g}"
-    wavelength = info.get("rotary_max_wavelength")
-    rotary = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
-    return f"sinks: {info.get('sinks', 0)}; slopes: {slopes}; rotary frequencies: {rotary}"
+    line = f"sinks: {info.get('sinks', 0)}; slopes: {slopes}"
+    if (info.get("architecture") or {}).get("strategy") == "rotary":
+        wavelength = info.get("rotary_max_wavelength")
+        kept = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
+        line += f"; rotary frequencies: {kept}"
+    return line
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments are one line (``hf-alibi convert: error: ...``) and exit status 2, like the other errors."""
+    """Bad arguments are one line (``hf-alibi: error: ... (see hf-alibi convert --help)``) and exit status 2,
+    like the other errors (argparse would print its usage block first)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoints import is_local
+from ..checkpoints import CheckpointError, is_local
 from ..core.config import NO_MAXIMUM
 
 WEIGHT_SUFFIXES = (
@@ -89,13 +89,22 @@ def _source(src: str | os.PathLike) -> tuple[Path, list[str]]:
     if is_local(src):
         folder = Path(src).expanduser()
         return folder, companion_files(folder)
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
 
     src = os.fspath(src)
-    paths = HfApi().list_repo_files(src)
-    meta = snapshot_download(src, allow_patterns=["modules.json", "tokenizer_config.json"])
-    names = select_companions(paths, meta)
-    return Path(snapshot_download(src, allow_patterns=names)), names
+    try:
+        if constants.HF_HUB_OFFLINE:  # what the local cache holds of it (the model was loaded from there)
+            folder = Path(snapshot_download(src, local_files_only=True))
+            return folder, companion_files(folder)
+        paths = HfApi().list_repo_files(src)
+        meta = snapshot_download(src, allow_patterns=["modules.json", "tokenizer_config.json"])
+        names = select_companions(paths, meta)
+        return Path(snapshot_download(src, allow_patterns=names)), names
+    except Exception as error:  # an OSError would read as "cannot write OUT" in staged_output
+        raise CheckpointError(
+            f"Could not fetch the companion files of SRC {src!r} (tokenizer, modules, chat template) from the Hub: "
+            f"{type(error).__name__}: {error}. Nothing was written; try again, or pass a checkpoint folder."
+        ) from error
 
 
 def copy_companions(src: str | os.PathLike, folder: str | os.PathLike) -> list[str]:

@@ -262,3 +262,21 @@ def test_hub_source_downloads_only_its_companions(st_src, tmp_path, monkeypatch)
 def test_info_of_a_converted_sentence_transformer(st_out, capsys):
     code, stdout, _ = run_cli("info", st_out, "--json", capsys=capsys)
     assert code == 0 and json.loads(stdout)["tokenizer"] is True
+
+
+def test_recover_writes_the_same_folder(chat_pair, tmp_path, capsys):
+    """hf-alibi recover writes through the same writer: companions kept, limits lifted, plus recovery.json."""
+    src, _ = chat_pair
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(1, VOCAB, (600,), generator=generator).tolist()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("\n".join(" ".join(f"w{i}" for i in words[j : j + 12]) for j in range(0, 600, 12)))
+    out = tmp_path / "recovered"
+    argv = ("--train_file", notes, "--max_steps", "1", "--batch_size", "2", "--length", "16")
+    code, _, err = run_cli("recover", src, out, *argv, capsys=capsys)
+    assert code == 0, err[-2000:]
+    for name in ("merges.txt", "added_tokens.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 5
+    assert AutoTokenizer.from_pretrained(out).model_max_length == VERY_LARGE_INTEGER
+    assert (out / "recovery.json").is_file() and (out / "modeling_alibi.py").is_file()
