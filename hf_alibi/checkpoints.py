@@ -94,14 +94,53 @@ def source_kind(name: str | os.PathLike, label: str = "SRC") -> Literal["folder"
             f"{label} {os.fspath(name)!r} is neither a folder nor a valid Hub id (name or user/name): "
             "pass an existing checkpoint folder or a Hub id."
         )
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(os.fspath(name), "config.json"), str):
+    if constants.HF_HUB_OFFLINE and not _in_cache(name):
         raise CheckpointError(
             f"Could not read the config of {label} {os.fspath(name)!r}: HF_HUB_OFFLINE is set and it is not in "
             "the local cache. Download it first (unset HF_HUB_OFFLINE), or pass a checkpoint folder."
         )
     return "hub"
+
+
+def _in_cache(name: str | os.PathLike) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(os.fspath(name), "config.json"), str)
+
+
+def check_hub_source(name: str | os.PathLike, label: str = "SRC") -> None:
+    """For a Hub id not in the local cache: one request for its config.json, without retries, so that a
+    name that is neither a folder here nor a model on the Hub, or a Hub that cannot be reached, is a
+    :class:`CheckpointError` at once (transformers would retry the download for half a minute first).
+
+    >>> check_hub_source("does-not-exist")
+    CheckpointError: SRC 'does-not-exist' is no folder here, and the Hugging Face Hub could not be reached ...
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+
+    name = os.fspath(name)
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=10)
+    except RepositoryNotFoundError as error:
+        raise CheckpointError(
+            f"{label} {name!r} is no folder here, and no model on the Hugging Face Hub that your token can read "
+            f"({type(error).__name__}). Pass an existing checkpoint folder (./{name} for one here) or a Hub id."
+        ) from error
+    except EntryNotFoundError as error:
+        raise CheckpointError(
+            f"{label} {name!r}: the Hub repository has no config.json; it is not a transformers checkpoint."
+        ) from error
+    except HfHubHTTPError:
+        return  # another answer from the Hub (rate limit, server error): transformers' download says it
+    except Exception as error:  # the network: no DNS, refused, timed out
+        raise CheckpointError(
+            f"{label} {name!r} is no folder here, and the Hugging Face Hub could not be reached to look it up as a "
+            f"Hub id ({type(error).__name__}: {error}). Pass an existing checkpoint folder (./{name} for one here), "
+            "or check the network (with HF_HUB_OFFLINE=1 only the local cache is read)."
+        ) from error
 
 
 def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
@@ -114,7 +153,10 @@ def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
     from transformers import PretrainedConfig
 
     src = os.fspath(src)
-    if source_kind(src, label) == "folder":
+    kind = source_kind(src, label)
+    if kind == "hub" and not _in_cache(src):
+        check_hub_source(src, label)
+    if kind == "folder":
         path = Path(src).expanduser()
         if not path.is_dir():
             raise CheckpointError(
@@ -197,7 +239,7 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
 def original_length(config: Mapping[str, Any] | Any) -> int | None:
     """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
     or a model): ``n_positions`` or ``max_position_embeddings``, less RoBERTa's offset, else None (T5:
-    relative positions, no limit stated).
+    relative positions, no limit stated; an ALiBi config: no limit).
 
     RoBERTa's table has ``max_position_embeddings`` rows but numbers positions from ``pad_token_id + 1``,
     so its usable length is ``max_position_embeddings - pad_token_id - 1`` (514 - 1 - 1 = 512 for
@@ -207,6 +249,8 @@ def original_length(config: Mapping[str, Any] | Any) -> int | None:
     64
     """
     config = getattr(config, "config", config)  # a model: its config
+    if is_alibi(config):  # its length fields answer "no maximum" (core.config.NO_MAXIMUM), not the original's
+        return None
     if isinstance(config, Mapping):
         get = config.get
     else:
@@ -301,6 +345,7 @@ __all__ = [
     "CheckpointError",
     "ROBERTA_LIKE",
     "TOKENIZER_FILES",
+    "check_hub_source",
     "check_output",
     "has_tokenizer",
     "is_alibi",

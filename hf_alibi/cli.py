@@ -1,14 +1,17 @@
 """``hf-alibi``: convert a checkpoint to ALiBi, inspect one, push one to the Hub.
 
     hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
+                             [--preset pretrained] [--sinks N] [--rotary-max-wavelength X]
+                             [--slope-scale S] [--slopes a,b,...]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
     hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
     hf-alibi info PATH [--json]
 
 SRC is a local checkpoint folder or a Hub id. OUT gets safetensors weights, config.json with the ALiBi
 settings and ``auto_map``, ``modeling_alibi.py`` (for ``trust_remote_code=True``), the tokenizer when
-SRC has one, and README.md (model card). SRC is only read. The Hub token is the usual one: ``HF_TOKEN``
-or the stored ``hf auth login``.
+SRC has one (without the original's maximum length), SRC's companion files (sentence-transformers
+modules, generation config, chat template; see :mod:`hf_alibi.hub.folder`) and README.md (model card).
+SRC is only read. The Hub token is the usual one: ``HF_TOKEN`` or the stored ``hf auth login``.
 """
 
 from __future__ import annotations
@@ -42,26 +45,43 @@ def convert(
     heads: int | None = None,
     encoder_variant: str | None = None,
     overwrite: bool = False,
+    **options,
 ) -> Path:
     """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
 
-    The folder is written next to ``out`` first and moved in place at the end, so a failure leaves
-    no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
+    ``options`` are :func:`hf_alibi.patch_model`'s keyword arguments (``preset``, ``sinks``,
+    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``). Every argument is checked before the model
+    is loaded. The folder is written next to ``out`` first and moved in place at the end, so a failure
+    leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
+    It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
+
+    >>> convert("my-gpt2", "gpt2-alibi", preset="pretrained")  # doctest: +SKIP
     """
+    from transformers import AutoConfig
+
     import hf_alibi
-    from hf_alibi.hub import finish_folder
+    from hf_alibi.hub import write_converted
+    from hf_alibi.patch import settings_for
 
     out = Path(out)
     check_output(src, out, overwrite)
     config_dict = read_config(src)
     model_cls = model_class_for(config_dict)
+    try:
+        config = AutoConfig.for_model(**config_dict)
+    except Exception as error:
+        raise CliError(f"SRC {src!r} has a config.json transformers cannot build a config from: {error}") from error
+    try:
+        settings_for(config, heads, encoder_variant, **options)
+    except ValueError as error:
+        raise CliError(str(error)) from error
     with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
         try:
             model = model_cls.from_pretrained(src)
         except Exception as error:
             raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
         try:
-            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant)
+            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
         except ValueError as error:
             raise CliError(str(error)) from error
 
@@ -75,18 +95,15 @@ def convert(
             except Exception as error:
                 if src_has_tokenizer:
                     raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
-
-        model.save_pretrained(staging)  # safetensors, config.json, modeling_alibi.py, auto_map
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        (staging / "README.md").unlink(missing_ok=True)
-        finish_folder(staging, model.config, base_model=None if is_local(src) else src)
+        write_converted(staging, model, src, tokenizer)
     return out
 
 
 def describe(path: str) -> dict:
-    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict."""
+    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict: the settings of
+    ``config.alibi`` (``slopes_given``: explicit slopes or None) and ``slopes``, the slopes in use."""
     import hf_alibi
+    from hf_alibi.core.slopes import scaled_slopes_list
 
     config_dict = read_config(path, label="PATH")
     model_type = config_dict["model_type"]
@@ -99,7 +116,8 @@ def describe(path: str) -> dict:
     if info["is_alibi"]:
         settings = hf_alibi.AlibiSettings.from_dict(config_dict["alibi"])
         info.update(settings.to_dict())
-        info["slopes"] = hf_alibi.get_slopes_list(settings.heads)
+        info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
+        info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
         if is_local(path):
             info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
@@ -172,6 +190,7 @@ def _print_info(info: dict) -> None:
             print(f"  fixed slopes (causal self-attention only, if any): {fixed}")
         else:
             print(f"  slopes: {fixed}")
+        print(f"  {_options_line(info)}")
         print(f"  converted by hf_alibi {info['hf_alibi_version']}")
         remote = "yes" if info["remote_code"] and info.get("remote_code_file", True) else "no"
         print(f"  loadable without hf_alibi (trust_remote_code=True): {remote}")
@@ -184,19 +203,66 @@ def _print_info(info: dict) -> None:
         print(f"  tokenizer: {'yes' if info['tokenizer'] else 'no'}")
 
 
+def _options_line(info: dict) -> str:
+    if info.get("slopes_given") is not None:
+        slopes = "explicit (--slopes)"
+    else:
+        scale = info.get("slope_scale", 1.0)
+        slopes = "the paper's" if scale == 1.0 else f"the paper's x {scale:g}"
+    line = f"sinks: {info.get('sinks', 0)}; slopes: {slopes}"
+    if (info.get("architecture") or {}).get("strategy") == "rotary":
+        wavelength = info.get("rotary_max_wavelength")
+        kept = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
+        line += f"; rotary frequencies: {kept}"
+    return line
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (``hf-alibi: error: ... (see hf-alibi convert --help)``) and exit status 2,
+    like the other errors (argparse would print its usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"
+
+
+def _slope_list(text: str) -> list[float]:
+    return [float(part) for part in text.split(",")]
+
+
+_slope_list.__name__ = "comma-separated slopes"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hf_alibi.core.slopes import ENCODER_VARIANTS
+    from hf_alibi.patch import PRESETS
 
-    parser = argparse.ArgumentParser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
+    parser = _Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     conv = commands.add_parser("convert", help="convert a checkpoint (folder or Hub id) to ALiBi")
     conv.add_argument("src", metavar="SRC", help="checkpoint folder or Hub id; only read")
     conv.add_argument("out", metavar="OUT", help="folder to write the ALiBi checkpoint to")
-    conv.add_argument("--heads", type=int, default=None, help="number of heads (must match the config; checked)")
+    conv.add_argument("--heads", type=_positive_int, default=None, help="number of heads (must match; checked)")
     conv.add_argument(
         "--encoder-variant", choices=ENCODER_VARIANTS, default=None, help="bidirectional bias (default symmetric)"
     )
+    conv.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="pretrained: keep more of what a pretrained model knew"
+    )
+    conv.add_argument("--sinks", type=int, default=None, help="first N tokens carry no distance penalty")
+    conv.add_argument("--rotary-max-wavelength", type=float, default=None, help="rotary: keep wavelengths <= X")
+    conv.add_argument("--slope-scale", type=float, default=None, help="multiplies the paper's slopes")
+    conv.add_argument("--slopes", type=_slope_list, default=None, help="explicit slopes a,b,... (one per head)")
     conv.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="then upload OUT to this Hub repo")
     conv.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -238,12 +304,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CONVERT_OPTIONS = ("preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes")  # patch_model's keywords
+
+
+def _check_push_arguments(args) -> None:
+    from hf_alibi.checkpoints import is_hub_id
+
+    if args.push_to_hub is None:
+        upload_flags = (("--private", args.private), ("--commit-message", args.commit_message))
+        given = [flag for flag, value in upload_flags if value]
+        if given:
+            raise CliError(f"{' and '.join(given)} apply to the upload only: pass --push-to-hub REPO_ID too.")
+    elif not is_hub_id(args.push_to_hub):
+        raise CliError(
+            f"--push-to-hub {args.push_to_hub!r} is not a valid Hub repo id (name or user/name); nothing converted."
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":
-            out = convert(args.src, args.out, args.heads, args.encoder_variant, args.overwrite)
+            _check_push_arguments(args)
+            options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
+            out = convert(args.src, args.out, args.heads, args.encoder_variant, args.overwrite, **options)
             print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
             if args.push_to_hub:
                 from hf_alibi.hub import push_folder

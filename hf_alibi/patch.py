@@ -68,6 +68,58 @@ def resolve_options(
     return values
 
 
+def settings_for(
+    config,
+    heads: int | None = None,
+    encoder_variant: str | None = None,
+    *,
+    preset: str | None = None,
+    sinks: int | None = None,
+    rotary_max_wavelength: float | None = None,
+    slope_scale: float | None = None,
+    slopes: list[float] | None = None,
+) -> AlibiSettings:
+    """The settings :func:`patch_model` would store for a model of the original ``config``, or the
+    one-line ``ValueError`` it would raise: every argument is checked here, before any model is loaded
+    (``hf-alibi convert`` calls it on SRC's config first).
+
+    >>> settings_for(GPT2Config(n_head=4), preset="pretrained").sinks  # doctest: +SKIP
+    4
+    """
+    row = get_architecture(config.model_type)
+    config_heads = config.num_attention_heads
+    if heads is None:
+        heads = config_heads
+    if heads != config_heads:
+        raise ValueError(
+            f"heads={heads} does not match the model's {config_heads} attention heads "
+            f"(config.num_attention_heads); ALiBi needs one slope per head. Pass heads={config_heads} or omit it."
+        )
+    if row.bidirectional:
+        encoder_variant = SYMMETRIC if encoder_variant is None else encoder_variant
+        if encoder_variant not in ENCODER_VARIANTS:
+            raise ValueError(f"encoder_variant must be one of {ENCODER_VARIANTS}, got {encoder_variant!r}.")
+    elif encoder_variant is not None:
+        raise ValueError(
+            f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
+            f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
+        )
+    options = resolve_options(
+        config, row, preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale,
+        slopes=slopes,
+    )  # fmt: skip
+    check_pretrained_options(heads, architecture=row.to_dict(), **options)
+    settings = AlibiSettings(
+        base_model_type=config.model_type,
+        heads=heads,
+        encoder_variant=encoder_variant,
+        architecture=row.to_dict(),
+        **options,
+    )
+    check_sinks_fit(config, settings)
+    return settings
+
+
 def is_alibi_model(model: PreTrainedModel) -> bool:
     """True when ``model`` was converted by hf_alibi (or loaded from such a checkpoint)."""
     return is_alibi_config(model.config)
@@ -130,29 +182,11 @@ def patch_model(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
             "model once. Load the original checkpoint again to convert it with other settings."
         )
-    row = get_architecture(config.model_type)
-    config_heads = config.num_attention_heads
-    if heads is None:
-        heads = config_heads
-    if heads != config_heads:
-        raise ValueError(
-            f"heads={heads} does not match the model's {config_heads} attention heads "
-            f"(config.num_attention_heads); ALiBi needs one slope per head. Pass heads={config_heads} or omit it."
-        )
-    if row.bidirectional:
-        encoder_variant = SYMMETRIC if encoder_variant is None else encoder_variant
-        if encoder_variant not in ENCODER_VARIANTS:
-            raise ValueError(f"encoder_variant must be one of {ENCODER_VARIANTS}, got {encoder_variant!r}.")
-    elif encoder_variant is not None:
-        raise ValueError(
-            f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
-            f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
-        )
-    options = resolve_options(
-        config, row, preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale,
-        slopes=slopes,
+    settings = settings_for(
+        config, heads, encoder_variant, preset=preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength,
+        slope_scale=slope_scale, slopes=slopes,
     )  # fmt: skip
-    check_pretrained_options(heads, architecture=row.to_dict(), **options)
+    row = get_architecture(config.model_type)
     classes = alibi_classes(config.model_type)
     alibi_cls = classes.get(type(model))
     if alibi_cls is None:
@@ -160,14 +194,6 @@ def patch_model(
             f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
             f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
         )
-    settings = AlibiSettings(
-        base_model_type=config.model_type,
-        heads=heads,
-        encoder_variant=encoder_variant,
-        architecture=row.to_dict(),
-        **options,
-    )
-    check_sinks_fit(config, settings)
     # Everything is validated: from here on the instance changes (its config becomes a copy).
     convert(model, settings, row, alibi_cls)
     return model

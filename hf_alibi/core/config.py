@@ -36,6 +36,12 @@ MODEL_TYPE_PREFIX = "alibi_"
 # config classes require an int there, so plain transformers refuses the checkpoint with this text
 # instead of silently building the original architecture with freshly initialised position embeddings.
 REMOVED_FIELD_MARKER = "removed by hf_alibi: this is an ALiBi checkpoint"
+# What the removed LENGTH fields answer in memory: transformers' "no maximum" (its tokenizers'
+# VERY_LARGE_INTEGER, int(1e30)), a number other libraries can compare (sentence-transformers takes
+# min(model_max_length, max_position_embeddings); generate caps max_length by it; rope validation compares
+# original_max_position_embeddings with it), where None raised TypeError. config.json keeps the marker.
+NO_MAXIMUM = int(1e30)
+LENGTH_FIELDS = frozenset({"n_positions", "max_position_embeddings", "n_ctx"})
 # Auto classes named in the marker's advice, most specific first.
 _ADVISED_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
 
@@ -176,6 +182,15 @@ def check_pretrained_options(
             )
 
 
+def removed_value(name: str) -> int | None:
+    """What the removed config field ``name`` answers in memory: :data:`NO_MAXIMUM` for a length, else None.
+
+    >>> removed_value("max_position_embeddings") == NO_MAXIMUM, removed_value("relative_attention_num_buckets")
+    (True, None)
+    """
+    return NO_MAXIMUM if name in LENGTH_FIELDS else None
+
+
 def alibi_model_type(base_model_type: str) -> str:
     return MODEL_TYPE_PREFIX + base_model_type
 
@@ -215,7 +230,7 @@ class AlibiConfigMixin(AttnImplementationOverride):
             self.__dict__["_alibi_removed_fields"] = names
         for name in names:
             if isinstance(getattr(self, name, None), str):
-                setattr(self, name, None)
+                setattr(self, name, removed_value(name))
         super().__post_init__(**kwargs)
 
     def alibi_removed_fields(self) -> tuple[str, ...]:
@@ -287,8 +302,9 @@ def alibi_config_class(
 ) -> type[PretrainedConfig]:
     """The ``Alibi<Base>Config`` subclass of ``base_config_class`` (made once per module, then cached).
 
-    ``removed_fields`` are the base config's sizes of the removed position path: here they may be
-    ``None`` (in memory) or the marker (in config.json), never silently an int the base reads.
+    ``removed_fields`` are the base config's sizes of the removed position path: in memory they answer
+    :func:`removed_value` (a length: :data:`NO_MAXIMUM`; the base builds its layers with a placeholder
+    instead), in config.json the marker, so the original classes refuse the checkpoint.
     ``None`` means unknown (remote code loading a user's row): the fields holding the marker are
     found when the config is read, and the base class's strict type validators are all dropped.
     ``module`` is the ``__module__`` the class reports (where it can be imported from); ``bases`` go
@@ -308,7 +324,7 @@ def alibi_config_class(
             "__annotations__": annotations,
             "alibi": None,
             "removed_fields": None if removed_fields is None else tuple(removed_fields),
-            **{field_name: None for field_name in known},
+            **{field_name: removed_value(field_name) for field_name in known},
             "__doc__": f"{base_config_class.__name__} with ALiBi settings (``alibi``), made by hf_alibi.",
         }
         cls = type(name, (*bases, AlibiConfigMixin, base_config_class), namespace)
@@ -321,7 +337,8 @@ def alibi_config_class(
 def alibi_config_copy(
     config: PretrainedConfig, config_class: type[PretrainedConfig], alibi: dict[str, Any]
 ) -> PretrainedConfig:
-    """A deep copy of ``config`` as ``config_class`` (its ``Alibi<Config>``): ``alibi`` set, removed fields ``None``.
+    """A deep copy of ``config`` as ``config_class`` (its ``Alibi<Config>``): ``alibi`` set, removed fields
+    cleared (:func:`removed_value`: lengths answer :data:`NO_MAXIMUM`, the others ``None``).
 
     A copy, since another model built from the same config object must not change with this one.
     """
@@ -331,7 +348,7 @@ def alibi_config_copy(
         new.model_type = config_class.model_type
     new.alibi = dict(alibi)
     for name in new.alibi_removed_fields():
-        setattr(new, name, None)
+        setattr(new, name, removed_value(name))
     return new
 
 

@@ -12,7 +12,8 @@ also gets:
 ``save_pretrained`` and ``push_to_hub`` through this module, so they keep the settings and the code.
 
 Modules, one job each: ``remote_code`` (the copied core files and ``auto_map``), ``card`` (README.md),
-``upload`` (:func:`push_folder`), ``saving`` (:func:`finish_folder` and the mixin; the registry imports
+``upload`` (:func:`push_folder`), ``folder`` (:func:`write_converted`: what convert and recover write,
+SRC's companion files kept), ``saving`` (:func:`finish_folder` and the mixin; the registry imports
 only this one). The names below are loaded from them on first use, so importing the mixin does not
 load the card or upload code.
 """
@@ -36,6 +37,11 @@ _HOMES = {
     "push_folder": "upload",
     "AlibiPreTrainedMixin": "saving",
     "finish_folder": "saving",
+    "companion_files": "folder",
+    "copy_companions": "folder",
+    "lift_length_limits": "folder",
+    "select_companions": "folder",
+    "write_converted": "folder",
 }
 __all__ = [
     "AlibiPreTrainedMixin",
@@ -46,15 +52,21 @@ __all__ = [
     "add_remote_code",
     "auto_classes_for",
     "auto_map_for",
+    "companion_files",
+    "copy_companions",
     "finish_folder",
+    "lift_length_limits",
     "model_card",
     "push_folder",
     "remote_code_files",
+    "select_companions",
+    "write_converted",
     "write_model_card",
 ]
 
 if TYPE_CHECKING:
     from .card import PIPELINE_TAGS, model_card, write_model_card
+    from .folder import companion_files, copy_companions, lift_length_limits, select_companions, write_converted
     from .remote_code import (
         REMOTE_CODE_FILE,
         REMOTE_MODULE,

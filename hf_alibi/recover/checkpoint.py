@@ -14,13 +14,12 @@ from ..checkpoints import (
     check_output,
     has_tokenizer,
     is_alibi,
-    is_local,
     model_class_for,
     original_length,
     read_config,
     staged_output,
 )
-from ..hub import finish_folder
+from ..hub import write_converted
 from .api import recover
 from .card import write_recovery_card
 from .data import read_texts, token_stream
@@ -95,10 +94,7 @@ def recover_checkpoint(
             raise CheckpointError(str(error)) from error
         result.info["teacher"] = src
 
-        result.student.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "README.md").unlink(missing_ok=True)
-        finish_folder(staging, result.student.config, base_model=None if is_local(src) else src)
+        write_converted(staging, result.student, src, tokenizer)  # as hf-alibi convert: SRC's companions kept
         write_recovery_card(staging, result)
         (staging / "recovery.json").write_text(
             json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"

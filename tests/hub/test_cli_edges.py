@@ -236,3 +236,152 @@ def test_a_source_that_is_neither_folder_nor_hub_id(tmp_path, capsys):
         assert code == 2
         _one_line_error(err, "'no such/model name' is neither a folder nor a valid Hub id")
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------- convert: every argument checked first
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if convert gets as far as loading a model."""
+    from transformers import modeling_utils
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("convert loaded the model although an argument is bad")
+
+    monkeypatch.setattr(modeling_utils.PreTrainedModel, "from_pretrained", classmethod(refuse))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--heads", "0"), "argument --heads: invalid positive integer value: '0'"),
+        (("--heads", "x"), "argument --heads: invalid positive integer value: 'x'"),
+        (("--heads", "3"), "heads=3 does not match the model's 4 attention heads"),
+        (("--encoder-variant", "learned"), "applies to bidirectional attention only"),
+        (("--encoder-variant", "sideways"), "argument --encoder-variant: invalid choice: 'sideways'"),
+        (("--preset", "fast"), "argument --preset: invalid choice: 'fast'"),
+        (("--sinks", "-1"), "sinks must be an integer >= 0"),
+        (("--sinks", "two"), "argument --sinks: invalid int value: 'two'"),
+        (("--slope-scale", "0"), "slope_scale must be a finite number > 0"),
+        (("--slope-scale", "nan"), "slope_scale must be a finite number > 0"),
+        (("--slopes", "0.5,0.25"), "slopes must list one slope per head: 4 numbers, got 2"),
+        (("--slopes", "0.5,a,1,1"), "argument --slopes: invalid comma-separated slopes value: '0.5,a,1,1'"),
+        (("--slopes", "1,1,1,-1"), "slopes must be finite numbers > 0"),
+        (("--slopes", "1,1,1,1", "--slope-scale", "2"), "Pass either slopes or slope_scale, not both"),
+        (("--rotary-max-wavelength", "100"), "rotary_max_wavelength applies to rotary models only"),
+        (("--private",), "--private apply to the upload only: pass --push-to-hub REPO_ID too"),
+        (("--commit-message", "m"), "--commit-message apply to the upload only"),
+        (("--push-to-hub", "me/bad name"), "--push-to-hub 'me/bad name' is not a valid Hub repo id"),
+    ],
+)
+def test_every_convert_argument_is_checked_before_loading(gpt2_src, tmp_path, capsys, no_loading, argv, message):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("convert", gpt2_src, out, *argv, capsys=capsys)
+    assert code == 2 and stdout == ""
+    assert err.count("\n") == 1, err  # one line, no usage block
+    _one_line_error(err, message)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_preset_options_reach_patch_model_and_info_shows_them(tmp_path, capsys):
+    """A tiny Llama (max_position_embeddings 16): the preset's values, one overridden, in config.json and info."""
+    src = tmp_path / "llama"
+    TINY_BY_TYPE["llama"].make().save_pretrained(src)
+    out = tmp_path / "alibi"
+    code, _, err = run_cli("convert", src, out, "--preset", "pretrained", "--sinks", "2", capsys=capsys)
+    assert code == 0, err
+    settings = json.loads((out / "config.json").read_text())["alibi"]
+    # PRESETS["pretrained"]: sinks 4 (here 2), rotary kept up to the original length (16), slopes x 0.1
+    assert (settings["sinks"], settings["rotary_max_wavelength"], settings["slope_scale"]) == (2, 16.0, 0.1)
+    assert settings["slopes"] is None
+    code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)
+    info = json.loads(stdout)
+    assert (info["sinks"], info["rotary_max_wavelength"], info["slope_scale"], info["slopes_given"]) == (
+        2,
+        16.0,
+        0.1,
+        None,
+    )
+    assert info["slopes"] == pytest.approx([0.1 * 2 ** (-8 * (h + 1) / 4) for h in range(4)])  # the paper's x 0.1
+    code, stdout, _ = run_cli("info", out, capsys=capsys)
+    assert "  sinks: 2; slopes: the paper's x 0.1; rotary frequencies: kept up to wavelength 16\n" in stdout
+
+    out2 = tmp_path / "alibi2"
+    code, _, err = run_cli("convert", src, out2, "--slopes", "0.5,0.25,0.125,1", "--rotary-max-wavelength", "8",
+                           capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    code, stdout, _ = run_cli("info", out2, "--json", capsys=capsys)
+    info = json.loads(stdout)
+    assert info["slopes"] == info["slopes_given"] == [0.5, 0.25, 0.125, 1.0]
+    assert (info["sinks"], info["rotary_max_wavelength"], info["slope_scale"]) == (0, 8.0, 1.0)
+    code, stdout, _ = run_cli("info", out2, capsys=capsys)
+    assert "  slopes: 0.5, 0.25, 0.125, 1\n" in stdout
+    assert "  sinks: 0; slopes: explicit (--slopes); rotary frequencies: kept up to wavelength 8\n" in stdout
+
+
+# ------------------------------------------------------------------ a name that is no folder: no waiting
+
+
+@pytest.fixture
+def hub_download_fails_the_test(monkeypatch):
+    """transformers' config download (which retries for half a minute offline) must never be reached."""
+    from transformers import PretrainedConfig
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Hub download was reached")
+
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", classmethod(refuse))
+
+
+def test_a_bare_name_that_is_no_folder_fails_at_once_without_network(
+    tmp_path, capsys, monkeypatch, hub_download_fails_the_test
+):
+    import huggingface_hub
+    import huggingface_hub.constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    calls = []
+
+    def no_network(url, timeout=None, **kwargs):
+        calls.append((url, timeout))
+        raise ConnectionError("[Errno -2] Name or service not known")  # as httpx's ConnectError says it
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_network)
+    monkeypatch.chdir(tmp_path)
+    for argv in (("info", "does-not-exist"), ("convert", "does-not-exist", tmp_path / "out")):
+        code, _, err = run_cli(*argv, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, "'does-not-exist' is no folder here, and the Hugging Face Hub could not be reached",
+                        "./does-not-exist")  # fmt: skip
+    assert calls == [("https://huggingface.co/does-not-exist/resolve/main/config.json", 10)] * 2  # once, no retry
+
+    def not_on_the_hub(url, timeout=None, **kwargs):
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # built without an HTTP response
+        Exception.__init__(error, "404 Client Error: Repository Not Found")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", not_on_the_hub)
+    code, _, err = run_cli("info", "does-not-exist", capsys=capsys)
+    assert code == 2
+    _one_line_error(err, "'does-not-exist' is no folder here, and no model on the Hugging Face Hub")
+    assert not (tmp_path / "out").exists()
+
+
+def test_offline_never_reaches_the_network(tmp_path, capsys, monkeypatch, hub_download_fails_the_test):
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the network was reached with HF_HUB_OFFLINE=1")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", refuse)
+    monkeypatch.chdir(tmp_path)
+    for argv in (("info", "does-not-exist"), ("convert", "someone/model", tmp_path / "out")):
+        code, _, err = run_cli(*argv, capsys=capsys)
+        assert code == 2
+        _one_line_error(err, "HF_HUB_OFFLINE is set and it is not in the local cache")
