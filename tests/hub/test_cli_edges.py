@@ -236,3 +236,59 @@ def test_a_source_that_is_neither_folder_nor_hub_id(tmp_path, capsys):
         assert code == 2
         _one_line_error(err, "'no such/model name' is neither a folder nor a valid Hub id")
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------- recover: every setting checked first
+
+
+@pytest.fixture
+def src32(tmp_path):
+    """A tiny GPT-2 of 32 positions with a tokenizer."""
+    from sharing import make_tokenizer
+    from tiny import tiny_gpt2
+
+    src = tmp_path / "src32"
+    tiny_gpt2(n_positions=32).save_pretrained(src)
+    make_tokenizer(src)
+    return src
+
+
+@pytest.fixture
+def no_loading(monkeypatch, no_training):
+    """Fails the test if recover loads the model (on top of the tokenizer and the training)."""
+    import hf_alibi.recover.checkpoint as job
+
+    def refuse(config_dict):
+        raise AssertionError("recover picked a model class to load although a setting is bad")
+
+    monkeypatch.setattr(job, "model_class_for", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (("--length", "64"), ("length 64 is longer than the original model's 32 positions", "--length 32 or less")),
+        (("--length", "0"), ("length must be an integer >= 1, got 0",)),
+        (("--length", "-5"), ("length must be an integer >= 1, got -5",)),
+        (("--learning_rate", "-1"), ("learning_rate must be a finite number > 0, got -1.0",)),
+        (("--learning_rate", "nan"), ("learning_rate must be a finite number > 0, got nan",)),
+        (("--max_steps", "0"), ("max_steps must be an integer >= 1, got 0",)),
+        (("--batch_size", "-2"), ("batch_size must be an integer >= 1, got -2",)),
+        (("--lm_weight", "1.5"), ("lm_weight must be between 0 and 1",)),
+        (("--temperature", "0"), ("temperature must be a finite number > 0, got 0.0",)),
+        (("--lora_rank", "-1"), ("lora_rank must be an integer >= 0, got -1",)),
+        (("--save_steps", "0"), ("save_steps must be an integer >= 1, got 0",)),
+        (("--preset", "nope"), ("Unknown preset 'nope'", "'pretrained'")),
+        (("--length", "16", "--max_eval_length", "8"), ("max_eval_length 8 is shorter than the training length 16",)),
+        (("--resume_from_checkpoint", "nowhere"), ("--resume_from_checkpoint 'nowhere' is neither",)),
+    ],
+)
+def test_recover_bad_settings_before_anything_loads(src32, train_file, tmp_path, capsys, no_loading, argv, fragments):
+    """issue 19.4: each bad setting is one line and exit 2, before the tokenizer or the model loads
+    (the teacher's 32 positions come from config.json), and nothing is written."""
+    out = tmp_path / "out"
+    before = _tree(tmp_path)
+    code, stdout, err = run_cli("recover", src32, out, "--train_file", train_file, *argv, capsys=capsys)
+    assert code == 2
+    _one_line_error(err, *fragments)
+    assert "[recover]" not in stdout + err and _tree(tmp_path) == before
