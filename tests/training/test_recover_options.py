@@ -1,14 +1,16 @@
 """recover(): bounded default lengths, the conversion preset, LoRA merged at the end, resume from a checkpoint."""
 
 import copy
+import json
 
 import pytest
 import torch
+from sharing import make_tokenizer, run_cli
 from tiny import VOCAB, random_ids, tiny_gpt2
 from transformers import BertConfig, BertForMaskedLM
 
 import hf_alibi
-from hf_alibi.recover import recover
+from hf_alibi.recover import recover, recovery_card_section
 from hf_alibi.recover.settings import check_settings, resolve_lengths
 
 
@@ -78,6 +80,8 @@ def test_lora_trains_only_the_projections_and_merges_into_a_plain_converted_mode
     assert changed == {f"bert.encoder.layer.{i}.{m}.weight" for i in range(2) for m in names}
     assert result.history[0]["cosine"] < 0.99 < result.final["cosine"]  # measured: 0.981 -> 0.998
     assert result.info["lora_rank"] == 4
+    card = recovery_card_section(result)
+    assert "| trained weights | LoRA rank 4, merged |" in card and "| conversion preset | pretrained |" in card
 
 
 def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_does(tmp_path):
@@ -92,3 +96,19 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_does(tmp_path
     assert all(torch.allclose(again[k], reference[k], atol=1e-6) for k in reference)
     assert not all(torch.allclose(short[k], reference[k], atol=1e-6) for k in reference), "3 steps must differ from 6"
     assert resumed.final["kl"] == pytest.approx(whole.final["kl"], rel=1e-5)
+
+
+def test_cli_lora_with_checkpoints_writes_a_plain_checkpoint_and_keeps_the_trainer_checkpoints(tmp_path, capsys):
+    src, text, out = tmp_path / "src", tmp_path / "notes.txt", tmp_path / "out"
+    tiny_gpt2().save_pretrained(src)
+    make_tokenizer(src)
+    words = random_ids(1, 1200, seed=0).reshape(-1).tolist()
+    text.write_text("\n".join(" ".join(f"w{i}" for i in words[j : j + 12]) for j in range(0, 1200, 12)))
+    argv = ("--train_file", text, "--max_steps", "2", "--batch_size", "2", "--lora_rank", "2", "--save_steps", "1")
+    code, stdout, err = run_cli("recover", src, out, *argv, capsys=capsys)
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and not any("adapter" in n for n in names)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "alibi_gpt2"
+    assert json.loads((out / "recovery.json").read_text())["info"]["lora_rank"] == 2
+    assert {p.name for p in (tmp_path / "out.checkpoints").iterdir()} == {"checkpoint-1", "checkpoint-2"}
