@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--validation-file", "--validation_file", default=None, help="held-out text (default: the end of F)"
     )
-    rec.add_argument("--length", type=int, default=None, help="training length (default: the original maximum)")
+    rec.add_argument(
+        "--length", type=int, default=None, help="training length (default: the original maximum, at most 512)"
+    )
     rec.add_argument("--max-steps", "--max_steps", type=int, default=500)
     rec.add_argument("--batch-size", "--batch_size", type=int, default=8)
     rec.add_argument("--learning-rate", "--learning_rate", type=float, default=2e-4)
@@ -295,6 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--encoder-variant", choices=ENCODER_VARIANTS, default=None, help="bidirectional bias (default symmetric)"
     )
+    rec.add_argument(
+        "--preset", default="pretrained", help="conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"
+    )
+    rec.add_argument("--lora-rank", "--lora_rank", type=int, default=0, help="LoRA rank (0: train every weight)")
+    rec.add_argument(
+        "--max-eval-length", "--max_eval_length", type=int, default=2048, help="longest agreement length (tokens)"
+    )
+    rec.add_argument("--save-steps", "--save_steps", type=int, default=None, help="Trainer checkpoint every N steps")
+    rec.add_argument("--checkpoint-dir", "--checkpoint_dir", default=None, help="default: OUT.checkpoints")
+    rec.add_argument("--resume-from-checkpoint", "--resume_from_checkpoint", default=None, metavar="CHECKPOINT")
     rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
@@ -345,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                 temperature=args.temperature, hidden_layers=args.hidden_layers, heads=args.heads,
                 encoder_variant=args.encoder_variant, warm_start_steps=args.warm_start_steps,
                 attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
+                preset=args.preset, lora_rank=args.lora_rank, max_eval_length=args.max_eval_length,
+                save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
+                resume_from_checkpoint=args.resume_from_checkpoint,
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "info":

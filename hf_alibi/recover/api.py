@@ -17,7 +17,9 @@ import hf_alibi
 from ..core.compat import name_or_path
 from .data import Blocks, as_stream, mlm_collator
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
+from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
+from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, resolve_lengths
 from .trainer import DistillationTrainer
 
 
@@ -68,15 +70,20 @@ def recover(
     encoder_variant: str | None = None,
     warm_start_steps: int = 0,
     attention_only_steps: int = 0,
+    preset: str | None = "pretrained",
+    lora_rank: int = 0,
     eval_texts: Sequence[str] | torch.Tensor | None = None,
     eval_fraction: float = 0.05,
     max_eval_tokens: int = 8192,
-    eval_factors: Sequence[int] = (1, 2, 4, 8),
+    eval_factors: Sequence[int] = EVAL_FACTORS,
+    max_eval_length: int | None = MAX_EVAL_LENGTH,
     eval_every: int | None = None,
     seed: int = 0,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
     output_dir: str | None = None,
+    save_steps: int | None = None,
+    resume_from_checkpoint: str | bool | None = None,
 ) -> RecoveryResult:
     """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
 
@@ -86,15 +93,24 @@ def recover(
         texts: the user's unlabeled text (a list of strings; needs ``tokenizer``), or a 1-d tensor of
             token ids. Cut into blocks of ``length`` tokens; the last ``eval_fraction`` of the tokens
             (or ``eval_texts``) is held out for the agreement figures.
-        length: training length; default the original maximum (:func:`original_length`).
+        length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
+            is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
         max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
             with a cosine schedule, through the Trainer.
         lm_weight: share of the ordinary LM / MLM loss in the loss (0: distillation only).
         temperature, hidden_layers: see :func:`distillation_loss`.
-        heads, encoder_variant: passed to :func:`hf_alibi.patch_model`.
+        heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
+            ``"pretrained"`` (its values live in :data:`hf_alibi.patch.PRESETS`); ``"paper"`` or None: the
+            paper's method.
+        lora_rank: 0 trains every weight; ``R > 0`` trains LoRA adapters of rank R on the attention and MLP
+            projections only, merged into the weights at the end (the student is a normal converted model).
         warm_start_steps, attention_only_steps: the levers (module docstring).
         eval_every: agreement every this many steps (default ``max_steps // 4``), also at 0 and at the end,
-            on at most ``max_eval_tokens`` held-out tokens, at ``length`` and ``eval_factors`` x ``length``.
+            on at most ``max_eval_tokens`` held-out tokens, at ``length`` and ``eval_factors`` x ``length`` up to
+            ``max_eval_length`` (None: no cap; the lengths left out are printed).
+        output_dir, save_steps, resume_from_checkpoint: Trainer checkpoints every ``save_steps`` steps in
+            ``output_dir``, and a run resumed from one (a ``checkpoint-N`` folder, or True: the last in
+            ``output_dir``) ends where the uninterrupted run would.
         progress: the Trainer's progress bar; ``log``: where the agreement lines go (None: nowhere).
 
     Returns:
@@ -118,16 +134,24 @@ def recover(
         )
     if hidden_layers not in HIDDEN_LAYERS:
         raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
-    if max_steps < 1 or batch_size < 1:
-        raise ValueError(f"max_steps and batch_size must be >= 1, got {max_steps} and {batch_size}.")
+    check_settings(
+        original_length(model), length=length, max_steps=max_steps, batch_size=batch_size,
+        learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay, lm_weight=lm_weight,
+        temperature=temperature, warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
+        eval_every=eval_every, lora_rank=lora_rank, preset=preset, max_eval_length=max_eval_length,
+        max_eval_tokens=max_eval_tokens, save_steps=save_steps, output_dir=output_dir,
+    )  # fmt: skip
     if not 0 < eval_fraction < 1 and eval_texts is None:
         raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
     kind = model_kind(model)
-    length = length or original_length(model)
-    if not length:
-        raise ValueError(
-            f"{model.config.model_type} has no position table to read its length from: pass length (CLI: --length)."
-        )
+    try:
+        lengths = resolve_lengths(original_length(model), length, eval_factors, max_eval_length)
+    except ValueError as error:
+        raise ValueError(f"{model.config.model_type}: {error}") from None
+    length, eval_factors = lengths.length, lengths.factors
+    say = log or (lambda _: None)
+    for note in lengths.notes:
+        _write(f"[recover] {note}", say)
 
     stream = as_stream(texts, tokenizer, "texts")
     if eval_texts is not None:
@@ -149,7 +173,8 @@ def recover(
     was_training = teacher.training
     requires_grad = [p.requires_grad for p in teacher.parameters()]
     student = copy.deepcopy(teacher).requires_grad_(True)
-    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant)
+    preset = None if preset == "paper" else preset
+    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset)
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
@@ -159,10 +184,10 @@ def recover(
 
     history: list[dict[str, Any]] = []
     tokens_per_step = batch_size * length
-    say = log or (lambda _: None)
+    trained = add_lora(student, lora_rank) if lora_rank else student
 
     def evaluate(step: int) -> None:
-        figures = agreement(student, teacher, eval_stream, length, eval_factors, kind)
+        figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind)
         history.append({"step": step, "tokens": step * tokens_per_step, **figures})
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
         _write(line, say)
@@ -181,7 +206,8 @@ def recover(
         weight_decay=weight_decay,
         max_grad_norm=1.0,
         logging_steps=max(1, max_steps // 10),
-        save_strategy="no",
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         report_to="none",
         seed=seed,
         disable_tqdm=not progress,
@@ -190,7 +216,7 @@ def recover(
         dataloader_num_workers=0,
     )
     trainer = DistillationTrainer(
-        model=student,
+        model=trained,
         args=args,
         train_dataset=Blocks(blocks, labels),
         data_collator=collator,
@@ -209,7 +235,7 @@ def recover(
         trainer.remove_callback(PrinterCallback)
     start = time.perf_counter()
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         if scratch is not None:
             scratch.cleanup()
@@ -217,8 +243,9 @@ def recover(
         for parameter, flag in zip(teacher.parameters(), requires_grad):  # the trainer froze it; give it back
             parameter.requires_grad_(flag)
     seconds = time.perf_counter() - start
-    student = trainer.accelerator.unwrap_model(trainer.model).eval()
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     evaluate(max_steps)
+    student = merge_lora(trained).eval()
     epochs = max_steps * batch_size / n_blocks
     info = {
         "teacher": name_or_path(teacher.config) or type(teacher).__name__,
@@ -231,6 +258,9 @@ def recover(
         "train_tokens_available": int(n_blocks * length),
         "epochs": round(epochs, 3),
         "learning_rate": learning_rate,
+        "preset": preset or "paper",
+        "lora_rank": lora_rank,
+        "eval_lengths": [f * length for f in eval_factors],
         "warm_start_steps": warm_start_steps,
         "attention_only_steps": attention_only_steps,
         "encoder_variant": hf_alibi.get_settings(student.config).encoder_variant,

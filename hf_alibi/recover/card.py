@@ -17,6 +17,8 @@ def recovery_card_section(result: RecoveryResult) -> str:
         ("steps x batch x length", f"{info['steps']} x {info['batch_size']} x {info['length']}"),
         ("tokens seen", f"{info['tokens']} ({info['epochs']} epochs of {info['train_tokens_available']})"),
         ("learning rate", info["learning_rate"]),
+        ("conversion preset", info.get("preset", "paper")),
+        ("trained weights", f"LoRA rank {info['lora_rank']}, merged" if info.get("lora_rank") else "all"),
         ("warm start / attention-only steps", f"{info['warm_start_steps']} / {info['attention_only_steps']}"),
         ("held-out tokens", info["eval_tokens"]),
     ]

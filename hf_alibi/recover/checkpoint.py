@@ -23,6 +23,7 @@ from ..hub import write_converted
 from .api import recover
 from .card import write_recovery_card
 from .data import read_texts, token_stream
+from .settings import check_settings, resolve_lengths
 
 
 def recover_checkpoint(
@@ -32,12 +33,16 @@ def recover_checkpoint(
     *,
     validation_file: str | os.PathLike | None = None,
     overwrite: bool = False,
+    checkpoint_dir: str | os.PathLike | None = None,
     **settings: Any,
 ):
     """What ``hf-alibi recover SRC OUT --train_file F`` does: load the original checkpoint ``src``, convert
     a copy, distil (:func:`recover`, ``settings`` are its keyword arguments), and write ``out`` as a
     normal converted checkpoint (weights, config with the ALiBi settings, remote code, tokenizer) whose
     model card says how it was recovered, plus ``recovery.json`` (settings and agreement history).
+    With ``save_steps`` the Trainer's checkpoints go to ``checkpoint_dir`` (default ``OUT.checkpoints``, kept
+    after the run); ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or a folder holding them: the
+    last) continues an interrupted run.
 
     Every input is checked before training, and ``out`` is written into a staging folder next to it and
     renamed at the end: a failure leaves no half-written ``out``. Raises
@@ -55,6 +60,17 @@ def recover_checkpoint(
             f"SRC {src!r} is already an ALiBi checkpoint (model_type {config_dict['model_type']!r}); recover needs "
             "the original checkpoint it was converted from (the teacher)."
         )
+    original = original_length(config_dict)
+    try:  # every setting, before the tokenizer or the model loads: the teacher's limit is in config.json
+        check_settings(original, **settings)
+        lengths = resolve_lengths(original, settings.get("length"), max_eval_length=settings.get("max_eval_length"))
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    resume = settings.get("resume_from_checkpoint")
+    if resume is not None:
+        settings["resume_from_checkpoint"] = _checkpoint_to_resume(resume)
+    if settings.get("save_steps") or resume is not None:
+        settings["output_dir"] = str(checkpoint_dir or out.with_name(out.name + ".checkpoints"))
     model_cls = model_class_for(config_dict)
     texts = read_texts(train_file)
     eval_texts = read_texts(validation_file) if validation_file is not None else None
@@ -69,7 +85,7 @@ def recover_checkpoint(
             raise CheckpointError(f"Could not load the tokenizer of SRC {src!r}: {error}") from error
         stream = token_stream(texts, tokenizer)
         eval_stream = token_stream(eval_texts, tokenizer) if eval_texts is not None else None
-        length = settings.get("length") or original_length(config_dict)
+        length = lengths.length
         if eval_stream is None:
             too_short = length and stream.numel() < 2 * length + 1
         else:
@@ -100,3 +116,19 @@ def recover_checkpoint(
             json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
         )
     return out, result
+
+
+def _checkpoint_to_resume(path: str | os.PathLike) -> str:
+    """A Trainer checkpoint folder (``checkpoint-N``), or the last one in a folder of them; else an error."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = Path(path).expanduser()
+    if (folder / "trainer_state.json").is_file():
+        return str(folder)
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    if last is None:
+        raise CheckpointError(
+            f"--resume_from_checkpoint {str(path)!r} is neither a Trainer checkpoint (checkpoint-N with "
+            "trainer_state.json) nor a folder holding one. Pass the folder --save_steps wrote to."
+        )
+    return last

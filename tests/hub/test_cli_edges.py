@@ -292,20 +292,20 @@ def test_preset_options_reach_patch_model_and_info_shows_them(tmp_path, capsys):
     code, _, err = run_cli("convert", src, out, "--preset", "pretrained", "--sinks", "2", capsys=capsys)
     assert code == 0, err
     settings = json.loads((out / "config.json").read_text())["alibi"]
-    # PRESETS["pretrained"]: sinks 4 (here 2), rotary kept up to the original length (16), slopes x 0.1
-    assert (settings["sinks"], settings["rotary_max_wavelength"], settings["slope_scale"]) == (2, 16.0, 0.1)
+    # PRESETS["pretrained"]: sinks 1 (here 2), rotary kept up to 8 x the original length (16), slopes x 0.01
+    assert (settings["sinks"], settings["rotary_max_wavelength"], settings["slope_scale"]) == (2, 128.0, 0.01)
     assert settings["slopes"] is None
     code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)
     info = json.loads(stdout)
     assert (info["sinks"], info["rotary_max_wavelength"], info["slope_scale"], info["slopes_given"]) == (
         2,
-        16.0,
-        0.1,
+        128.0,
+        0.01,
         None,
     )
-    assert info["slopes"] == pytest.approx([0.1 * 2 ** (-8 * (h + 1) / 4) for h in range(4)])  # the paper's x 0.1
+    assert info["slopes"] == pytest.approx([0.01 * 2 ** (-8 * (h + 1) / 4) for h in range(4)])  # the paper's x 0.01
     code, stdout, _ = run_cli("info", out, capsys=capsys)
-    assert "  sinks: 2; slopes: the paper's x 0.1; rotary frequencies: kept up to wavelength 16\n" in stdout
+    assert "  sinks: 2; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 128\n" in stdout
 
     out2 = tmp_path / "alibi2"
     code, _, err = run_cli("convert", src, out2, "--slopes", "0.5,0.25,0.125,1", "--rotary-max-wavelength", "8",
@@ -385,3 +385,61 @@ def test_offline_never_reaches_the_network(tmp_path, capsys, monkeypatch, hub_do
         code, _, err = run_cli(*argv, capsys=capsys)
         assert code == 2
         _one_line_error(err, "HF_HUB_OFFLINE is set and it is not in the local cache")
+
+
+# ------------------------------------------------------------------- recover: every setting checked first
+
+
+@pytest.fixture
+def src32(tmp_path):
+    """A tiny GPT-2 of 32 positions with a tokenizer."""
+    from sharing import make_tokenizer
+    from tiny import tiny_gpt2
+
+    src = tmp_path / "src32"
+    tiny_gpt2(n_positions=32).save_pretrained(src)
+    make_tokenizer(src)
+    return src
+
+
+@pytest.fixture
+def no_recover_loading(monkeypatch, no_training):
+    """Fails the test if recover loads the model (on top of the tokenizer and the training)."""
+    import hf_alibi.recover.checkpoint as job
+
+    def refuse(config_dict):
+        raise AssertionError("recover picked a model class to load although a setting is bad")
+
+    monkeypatch.setattr(job, "model_class_for", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (("--length", "64"), ("length 64 is longer than the original model's 32 positions", "--length 32 or less")),
+        (("--length", "0"), ("length must be an integer >= 1, got 0",)),
+        (("--length", "-5"), ("length must be an integer >= 1, got -5",)),
+        (("--learning_rate", "-1"), ("learning_rate must be a finite number > 0, got -1.0",)),
+        (("--learning_rate", "nan"), ("learning_rate must be a finite number > 0, got nan",)),
+        (("--max_steps", "0"), ("max_steps must be an integer >= 1, got 0",)),
+        (("--batch_size", "-2"), ("batch_size must be an integer >= 1, got -2",)),
+        (("--lm_weight", "1.5"), ("lm_weight must be between 0 and 1",)),
+        (("--temperature", "0"), ("temperature must be a finite number > 0, got 0.0",)),
+        (("--lora_rank", "-1"), ("lora_rank must be an integer >= 0, got -1",)),
+        (("--save_steps", "0"), ("save_steps must be an integer >= 1, got 0",)),
+        (("--preset", "nope"), ("Unknown preset 'nope'", "'pretrained'")),
+        (("--length", "16", "--max_eval_length", "8"), ("max_eval_length 8 is shorter than the training length 16",)),
+        (("--resume_from_checkpoint", "nowhere"), ("--resume_from_checkpoint 'nowhere' is neither",)),
+    ],
+)
+def test_recover_bad_settings_before_anything_loads(
+    src32, train_file, tmp_path, capsys, no_recover_loading, argv, fragments
+):
+    """issue 19.4: each bad setting is one line and exit 2, before the tokenizer or the model loads
+    (the teacher's 32 positions come from config.json), and nothing is written."""
+    out = tmp_path / "out"
+    before = _tree(tmp_path)
+    code, stdout, err = run_cli("recover", src32, out, "--train_file", train_file, *argv, capsys=capsys)
+    assert code == 2
+    _one_line_error(err, *fragments)
+    assert "[recover]" not in stdout + err and _tree(tmp_path) == before
