@@ -1,0 +1,421 @@
+#!/usr/bin/env python
+"""A pretrained causal LM converted to ALiBi, against the original and YaRN: one command, one table.
+
+For each arm (the original; YaRN x2, x4 without training; each conversion, before and after N recovery
+steps), on the checkpoint folder's own text:
+
+- perplexity on non-overlapping windows of each ``--lengths`` over the first ``--eval_tokens`` tokens;
+- perplexity by position on one stream of ``--position_tokens`` tokens (to at least 2x the native length),
+  fed in query chunks of ``--chunk`` with the KV cache, so no L x L tensor is ever built;
+- passkey retrieval: a 5-digit number hidden at ``--depths`` of filler text of each ``--passkey_lengths``,
+  read back by greedy decoding (hits / depths);
+- the tokens each arm processed and its wall-clock.
+
+Conversion arms: ``paper`` (``hf_alibi.patch_model(m)``), ``pretrained`` (``preset="pretrained"``) and any
+``--arm "sinks=1,slope_scale=0.03"`` (patch_model's keyword options; ``preset=pretrained`` allowed).
+
+    PYTHONPATH=. python benchmarks/pretrained.py --model /work/models/smollm2 --text /work/models/prose.txt
+    PYTHONPATH=. python benchmarks/pretrained.py --arms original yarn:2 pretrained --arm slope_scale=0.01 \
+        --lengths 256 1024 --position_tokens 0 --passkey_lengths 1024 --recover_steps 40
+    PYTHONPATH=. python benchmarks/pretrained.py --quick          # a tiny self-made Llama, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import inspect
+import json
+import math
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import hf_alibi
+from hf_alibi.checkpoints import original_length, read_config
+from hf_alibi.recover import recover
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = " What is the pass key? The pass key is"
+DEFAULT_ARMS = ("original", "yarn:2", "yarn:4", "paper", "pretrained")
+FLOAT_OPTIONS = ("slope_scale", "rotary_max_wavelength")
+
+
+@dataclass
+class Arm:
+    """One row: ``kind`` is original / yarn / alibi; ``options`` go to patch_model (alibi) or ``factor`` (yarn)."""
+
+    name: str
+    kind: str
+    options: dict = field(default_factory=dict)
+
+
+def parse_arm(text: str) -> Arm:
+    """``original``, ``yarn:F``, ``paper``, ``pretrained`` or ``key=value,...`` (patch_model options).
+
+    >>> parse_arm("sinks=1,slope_scale=0.03")
+    Arm(name='sinks=1,slope_scale=0.03', kind='alibi', options={'sinks': 1, 'slope_scale': 0.03})
+    """
+    if text == "original":
+        return Arm(text, "original")
+    if text.startswith("yarn:"):
+        try:
+            return Arm(text, "yarn", {"factor": float(text[5:])})
+        except ValueError:
+            raise SystemExit(f"--arms: {text!r} needs a number after 'yarn:', e.g. yarn:2.") from None
+    if text == "paper":
+        return Arm(text, "alibi")
+    if text == "pretrained":
+        return Arm(text, "alibi", {"preset": "pretrained"})
+    options = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key == "sinks":
+            options[key] = int(value)
+        elif key in FLOAT_OPTIONS:
+            options[key] = float(value)
+        elif key == "preset":
+            options[key] = value.strip()
+        else:
+            raise SystemExit(
+                f"--arm {text!r}: unknown option {key!r}; use original, yarn:F, paper, pretrained or "
+                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset."
+            )
+    return Arm(text, "alibi", options)
+
+
+# ---------------------------------------------------------------- models and text
+
+
+def rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise SystemExit(f"{config.model_type} has no rope_theta: YaRN arms need a rotary model; drop yarn:F.")
+    return float(theta)
+
+
+def load(folder: str, arm: Arm, native: int) -> torch.nn.Module:
+    """The checkpoint as this arm runs it, fp32, SDPA, eval mode."""
+    kwargs = {}
+    if arm.kind == "yarn":
+        config = AutoConfig.from_pretrained(folder)
+        factor = arm.options["factor"]
+        kwargs["rope_parameters"] = {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": native,
+            "rope_theta": rope_theta(config),
+        }
+        kwargs["max_position_embeddings"] = int(native * factor)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    if arm.kind == "alibi":
+        hf_alibi.patch_model(model, **arm.options)
+    return model.eval()
+
+
+class Text:
+    """The text as ids, and encode/decode for the passkey prompts (a tokenizer, or bytes in --quick)."""
+
+    def __init__(self, ids: torch.Tensor, encode, decode):
+        self.ids, self.encode, self.decode = ids, encode, decode
+
+
+def text_from(folder: str, path: str) -> Text:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = torch.tensor(tokenizer(Path(path).read_text())["input_ids"])
+    return Text(ids, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"], tokenizer.decode)
+
+
+def quick_setup(folder: str) -> Text:
+    """A tiny Llama (byte vocabulary, native length 64) saved to ``folder``; the text: this file's bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    ids = torch.tensor(list(Path(__file__).read_bytes()))
+    return Text(ids, lambda s: list(s.encode()), lambda ids: bytes(ids).decode(errors="replace"))
+
+
+# ---------------------------------------------------------------- measurements
+
+
+@torch.no_grad()
+def window_ppl(model, ids: torch.Tensor, length: int, batch_tokens: int = 4096) -> tuple[float, int]:
+    """Perplexity over non-overlapping windows of ``length`` (every window's tokens after its first)."""
+    n = ids.numel() // length
+    if n < 1:
+        raise SystemExit(f"--eval_tokens {ids.numel()} is shorter than the length {length}: raise it.")
+    windows = ids[: n * length].view(n, length)  # (N, L)
+    total, count = 0.0, 0
+    step = max(1, batch_tokens // length)
+    for i in range(0, n, step):
+        x = windows[i : i + step]
+        logits = model(input_ids=x).logits[:, :-1].float()  # (B, L-1, V)
+        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+        count += x[:, 1:].numel()
+    return math.exp(total / count), windows.numel()
+
+
+@torch.no_grad()
+def position_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-token NLL of ``ids[1:]`` over one stream, fed ``chunk`` queries at a time with the KV cache."""
+    cache = DynamicCache(config=model.config)
+    nll = torch.empty(ids.numel() - 1)
+    for start in range(0, ids.numel() - 1, chunk):
+        x = ids[start : start + chunk][None]  # (1, q)
+        positions = torch.arange(start, start + x.shape[1])[None]
+        out = model(input_ids=x, past_key_values=cache, use_cache=True, position_ids=positions)
+        cache = out.past_key_values
+        target = ids[start + 1 : start + chunk + 1]
+        nll[start : start + target.numel()] = F.cross_entropy(
+            out.logits[0, : target.numel()].float(), target, reduction="none"
+        )
+    return nll
+
+
+def by_position(nll: torch.Tensor, bounds: list[int]) -> dict[str, float]:
+    """Perplexity of the tokens predicted at positions [a, b) for each consecutive pair of ``bounds``."""
+    out = {}
+    for a, b in zip(bounds, bounds[1:]):
+        if a < nll.numel():
+            out[f"{_k(a)}-{_k(b)}"] = math.exp(nll[a : min(b, nll.numel())].mean().item())
+    return out
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n else str(n)
+
+
+def passkey_prompt(text: Text, length: int, depth: float, key: int) -> list[int]:
+    """``length`` tokens of filler with the needle at ``depth`` (0: start, 1: end), then the question."""
+    needle = text.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = text.encode(QUESTION)
+    body = length - len(needle) - len(question)
+    if body < 1:
+        raise SystemExit(
+            f"--passkey_lengths {length} is too short for the prompt ({len(needle) + len(question)} tokens)."
+        )
+    filler = text.encode(FILLER)
+    filler = filler * (body // len(filler) + 1)
+    cut = int(body * depth)
+    return filler[:cut] + needle + filler[cut:body] + question
+
+
+@torch.no_grad()
+def passkey(model, text: Text, length: int, depths: list[float], seed: int = 0) -> tuple[int, int]:
+    """Hits out of ``len(depths)``: the first 5-digit number in 8 greedy tokens equals the key."""
+    rng = random.Random(seed + length)
+    hits, tokens = 0, 0
+    for depth in depths:
+        key = rng.randint(10000, 99999)
+        x = torch.tensor([passkey_prompt(text, length, depth, key)])
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False, pad_token_id=pad)
+        found = re.findall(r"\d{5}", text.decode(out[0, x.shape[1] :].tolist()).replace(" ", ""))
+        hits += bool(found) and found[0] == str(key)
+        tokens += out.numel()
+    return hits, tokens
+
+
+def measure(model, text: Text, args, bounds: list[int]) -> dict:
+    """Every figure of one row, with the tokens it processed and the seconds it took."""
+    row, tokens, start = {}, 0, time.perf_counter()
+    for length in args.lengths:
+        row[f"ppl@{length}"], n = window_ppl(model, text.ids[: args.eval_tokens], length)
+        tokens += n
+    if args.position_tokens:
+        nll = position_nll(model, text.ids[: args.position_tokens], args.chunk)
+        row.update(by_position(nll, bounds))
+        tokens += nll.numel() + 1
+    for length in args.passkey_lengths:
+        hits, n = passkey(model, text, length, args.depths)
+        row[f"passkey@{_k(length)}"] = f"{hits}/{len(args.depths)}"
+        tokens += n
+    row["tokens"], row["seconds"] = tokens, round(time.perf_counter() - start, 1)
+    return row
+
+
+# ---------------------------------------------------------------- recovery
+
+
+@contextlib.contextmanager
+def conversion_options(options: dict):
+    """Give ``recover()`` this arm's patch_model options: as keywords where its signature takes them,
+    else by wrapping ``hf_alibi.patch_model`` (which recover calls) for the duration."""
+    accepted = inspect.signature(recover).parameters
+    direct = {k: v for k, v in options.items() if k in accepted}
+    rest = {k: v for k, v in options.items() if k not in accepted}
+    if not rest:
+        yield direct
+        return
+    original = hf_alibi.patch_model
+    hf_alibi.patch_model = functools.partial(original, **rest)
+    try:
+        yield direct
+    finally:
+        hf_alibi.patch_model = original
+
+
+def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[torch.nn.Module, dict]:
+    """The arm's conversion after ``--recover_steps`` of ``recover()`` from the original, and its totals."""
+    teacher = load(folder, Arm("original", "original"), native)
+    need = args.recover_steps * args.recover_batch * args.recover_length
+    start = max(args.eval_tokens, args.position_tokens)
+    train = text.ids[start : start + need]
+    if train.numel() < need:
+        raise SystemExit(
+            f"The text has {text.ids.numel()} tokens; recovery needs {need} after the {start} evaluation tokens: "
+            "lower --recover_steps, --recover_batch or --recover_length, or give a longer --text."
+        )
+    held = text.ids[: args.recover_length * 4 + 1]
+    extra = {} if args.recover_lr is None else {"learning_rate": args.recover_lr}
+    with conversion_options(arm.options) as direct:
+        result = recover(
+            teacher,
+            train,
+            length=args.recover_length,
+            max_steps=args.recover_steps,
+            batch_size=args.recover_batch,
+            eval_texts=held,
+            max_eval_tokens=held.numel() - 1,
+            eval_factors=(1,),
+            eval_every=0,
+            progress=False,
+            log=None,
+            **direct,
+            **extra,
+        )
+    info = {"recover_tokens": result.info["tokens"], "recover_seconds": result.info["train_seconds"]}
+    info["kl"] = f"{result.history[0]['kl']:.4f} -> {result.history[-1]['kl']:.4f}" if "kl" in result.final else ""
+    return result.student.eval(), info
+
+
+# ---------------------------------------------------------------- main
+
+
+def format_rows(rows: list[dict]) -> str:
+    columns = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [row.get(c, "") for c in columns]
+        lines.append(
+            "| "
+            + " | ".join(
+                f"{v:.2f}" if isinstance(v, float) and c != "seconds" else str(v) for c, v in zip(columns, cells)
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="/work/models/smollm2", help="a causal LM checkpoint folder")
+    p.add_argument("--text", default="/work/models/prose.txt", help="plain text to measure on")
+    p.add_argument("--quick", action="store_true", help="a tiny self-made Llama and small settings (seconds)")
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help=f"default: {' '.join(DEFAULT_ARMS)}")
+    p.add_argument("--arm", action="append", default=[], help='an extra conversion, e.g. "sinks=1,slope_scale=0.03"')
+    p.add_argument("--lengths", type=int, nargs="*", default=[256, 1024, 4096])
+    p.add_argument("--eval_tokens", type=int, default=4096, help="tokens for the window perplexities")
+    p.add_argument(
+        "--position_tokens", type=int, default=None, help="stream length by position (default 2x native; 0: off)"
+    )
+    p.add_argument(
+        "--bounds", type=int, nargs="+", default=None, help="position ranges' bounds (default native/8 .. 2x native)"
+    )
+    p.add_argument("--chunk", type=int, default=1024, help="queries per forward in the by-position stream")
+    p.add_argument("--passkey_lengths", type=int, nargs="*", default=[1024, 2048, 4096])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--recover_steps", type=int, default=0, help="N recovery steps per conversion (0: none)")
+    p.add_argument("--recovered_only", action="store_true", help="measure conversions only after recovery")
+    p.add_argument("--recover_batch", type=int, default=2)
+    p.add_argument("--recover_length", type=int, default=256)
+    p.add_argument("--recover_lr", type=float, default=None, help="default: recover()'s")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="append each row as one JSON line to this file")
+    args = p.parse_args(argv)
+    if args.quick:  # small settings, where the command line left the default
+        quick = {"lengths": [32, 64, 128], "eval_tokens": 512, "position_tokens": 256, "chunk": 48}
+        quick.update(passkey_lengths=[128, 256], recover_steps=2, recover_batch=2, recover_length=32)
+        for name, value in quick.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arms = [parse_arm(a) for a in args.arms + args.arm]
+    scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_pretrained_bench_")
+    folder = scratch.name if args.quick else args.model
+    text = quick_setup(folder) if args.quick else text_from(folder, args.text)
+    native = original_length(read_config(folder, "--model"))
+    if not native:
+        raise SystemExit(f"{folder}: its config states no maximum length (max_position_embeddings).")
+    if args.position_tokens is None:
+        args.position_tokens = 2 * native
+    bounds = args.bounds or [0] + [native * k // 8 for k in (1, 2, 4, 8, 16)]
+    need = max(args.eval_tokens, args.position_tokens)
+    if text.ids.numel() < need:
+        raise SystemExit(f"The text has {text.ids.numel()} tokens; the evaluation needs {need}: lower the settings.")
+    print(
+        f"# {folder}: native length {native}, {text.ids.numel()} text tokens; windows {args.lengths} over "
+        f"{args.eval_tokens}; by position over {args.position_tokens} (chunks of {args.chunk}); passkey "
+        f"{args.passkey_lengths} x depths {args.depths}; recovery {args.recover_steps} x {args.recover_batch} x "
+        f"{args.recover_length}; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    rows, total = [], time.perf_counter()
+    for arm in arms:
+        if not (args.recovered_only and arm.kind == "alibi"):
+            rows.append(_emit({"arm": arm.name, **measure(load(folder, arm, native), text, args, bounds)}, args))
+        if arm.kind == "alibi" and args.recover_steps:
+            model, info = recovered(folder, arm, native, text, args)
+            row = {"arm": f"{arm.name} +{args.recover_steps} steps", **measure(model, text, args, bounds), **info}
+            rows.append(_emit(row, args))
+    print("\n" + format_rows(rows))
+    print(f"total wall-clock {time.perf_counter() - total:.0f} s")
+    scratch.cleanup()
+    return rows
+
+
+def _emit(row: dict, args) -> dict:
+    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
