@@ -84,7 +84,7 @@ def settings_for(
     (``hf-alibi convert`` calls it on SRC's config first).
 
     >>> settings_for(GPT2Config(n_head=4), preset="pretrained").sinks  # doctest: +SKIP
-    4
+    1
     """
     row = get_architecture(config.model_type)
     config_heads = config.num_attention_heads
