@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 from sharing import folder_hash, last_json_line, make_tokenizer, run_child, run_cli
-from tiny import VOCAB, random_ids, tiny_gpt2
-from transformers import BertConfig, BertForMaskedLM, TrainingArguments
+from tiny import VOCAB, random_ids, tiny_bert, tiny_gpt2
+from transformers import TrainingArguments
 
 import hf_alibi
 from hf_alibi import cli
@@ -34,15 +34,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_bert(seed: int = 0) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return BertForMaskedLM(config).eval()
 
 
 def hand_kl(student_logits, teacher_logits) -> float:

@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 from sharing import make_tokenizer, run_cli
-from tiny import VOCAB, random_ids, tiny_gpt2
-from transformers import BertConfig, BertForMaskedLM
+from tiny import random_ids, tiny_bert, tiny_gpt2
 
 import hf_alibi
 from hf_alibi.recover import recover, recovery_card_section
@@ -56,15 +55,6 @@ def test_preset_pretrained_is_the_default_and_paper_the_old_behaviour():
     paper = hf_alibi.get_settings(run(teacher, stream, max_steps=1, preset="paper").student.config)
     assert (paper.sinks, paper.slope_scale) == (0, 1.0)
     assert hf_alibi.get_settings(run(teacher, stream, max_steps=1, preset=None).student.config).sinks == 0
-
-
-def tiny_bert(seed: int = 0) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return BertForMaskedLM(config).eval()
 
 
 def test_lora_trains_only_the_projections_and_merges_into_a_plain_converted_model():
