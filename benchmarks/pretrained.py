@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from builders import build_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_alibi
@@ -141,23 +142,12 @@ def text_from(folder: str, path: str) -> Text:
 
 def quick_setup(folder: str) -> Text:
     """A tiny Llama (byte vocabulary, native length 64) saved to ``folder``; the text: this file's bytes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=0,
-        eos_token_id=0,
+    model = build_model(
+        "llama", layers=2, heads=4, width=32, positions=64, vocab=256, intermediate_size=64, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=0, eos_token_id=0,
         pad_token_id=0,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    )  # fmt: skip
+    model.save_pretrained(folder)
     ids = torch.tensor(list(Path(__file__).read_bytes()))
     return Text(ids, lambda s: list(s.encode()), lambda ids: bytes(ids).decode(errors="replace"))
 
