@@ -2,7 +2,7 @@
 
     hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
                              [--preset pretrained] [--sinks N] [--rotary-max-wavelength X]
-                             [--slope-scale S] [--slopes a,b,...]
+                             [--slope-scale S] [--slopes a,b,...] [--position-mean N]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
     hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
     hf-alibi info PATH [--json]
@@ -50,8 +50,8 @@ def convert(
     """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
 
     ``options`` are :func:`hf_alibi.patch_model`'s keyword arguments (``preset``, ``sinks``,
-    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``). Every argument is checked before the model
-    is loaded. The folder is written next to ``out`` first and moved in place at the end, so a failure
+    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``, ``position_mean``). Every argument is checked
+    before the model is loaded. The folder is written next to ``out`` first and moved in place at the end, so a failure
     leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
     It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
 
@@ -214,6 +214,8 @@ def _options_line(info: dict) -> str:
         wavelength = info.get("rotary_max_wavelength")
         kept = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
         line += f"; rotary frequencies: {kept}"
+    if info.get("position_mean"):
+        line += f"; position table's mean (first {info['position_mean']} rows) kept in the embeddings"
     return line
 
 
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--rotary-max-wavelength", type=float, default=None, help="rotary: keep wavelengths <= X")
     conv.add_argument("--slope-scale", type=float, default=None, help="multiplies the paper's slopes")
     conv.add_argument("--slopes", type=_slope_list, default=None, help="explicit slopes a,b,... (one per head)")
+    conv.add_argument(
+        "--position-mean", type=int, default=None, help="learned tables: fold the mean of the first N rows in"
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="then upload OUT to this Hub repo")
     conv.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -286,7 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--max-steps", "--max_steps", type=int, default=500)
     rec.add_argument("--batch-size", "--batch_size", type=int, default=8)
-    rec.add_argument("--learning-rate", "--learning_rate", type=float, default=2e-4)
+    rec.add_argument(
+        "--learning-rate", "--learning_rate", type=float, default=None,
+        help="default: 1e-5 causal, 1e-4 encoders (the preset); 2e-4 (--preset paper); x 10 with LoRA",
+    )  # fmt: skip
     rec.add_argument("--lm-weight", "--lm_weight", type=float, default=0.0, help="share of the LM/MLM loss (0..1)")
     rec.add_argument("--temperature", type=float, default=1.0, help="KL temperature (causal LMs)")
     rec.add_argument("--hidden-layers", "--hidden_layers", choices=("last", "all"), default="last")
@@ -316,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CONVERT_OPTIONS = ("preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes")  # patch_model's keywords
+# patch_model's keywords
+CONVERT_OPTIONS = ("preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes", "position_mean")
 
 
 def _check_push_arguments(args) -> None:

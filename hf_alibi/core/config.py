@@ -108,6 +108,14 @@ class AlibiSettings:
         default=None,
         metadata={"help": "Explicit per-head slopes (one per head, positive), instead of the paper's x slope_scale."},
     )
+    position_mean: int = field(
+        default=0,
+        metadata={
+            "help": "Absolute rows only: the mean of the first `position_mean` rows of the removed position table "
+            "was added to the token-type (else token) embeddings at conversion, a weight edit recorded here (the "
+            "saved weights carry it; nothing is redone on load). 0: the table just goes (the paper)."
+        },
+    )
 
     def __post_init__(self):
         if self.encoder_variant is not None and self.encoder_variant not in ENCODER_VARIANTS:
@@ -116,8 +124,9 @@ class AlibiSettings:
                 f"got {self.encoder_variant!r}."
             )
         check_pretrained_options(
-            self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture
-        )
+            self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
+            self.position_mean,
+        )  # fmt: skip
         if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
             object.__setattr__(self, "slopes", [float(s) for s in self.slopes])
 
@@ -144,6 +153,7 @@ def check_pretrained_options(
     slope_scale: float,
     slopes: list[float] | None,
     architecture: dict | None = None,
+    position_mean: int = 0,
 ) -> None:
     """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
 
@@ -167,6 +177,18 @@ def check_pretrained_options(
             raise ValueError(f"slopes must be finite numbers > 0 (the bias is -slope * distance), got {list(slopes)}.")
         if slope_scale != 1.0:
             raise ValueError("Pass either slopes or slope_scale, not both (scale the slopes you pass instead).")
+    if not isinstance(position_mean, int) or isinstance(position_mean, bool) or position_mean < 0:
+        raise ValueError(
+            f"position_mean must be an integer >= 0 (how many first rows of the position table to average), "
+            f"got {position_mean!r}."
+        )
+    strategy = (architecture or {}).get("strategy")
+    if position_mean and strategy not in (None, "absolute"):
+        model_type = (architecture or {}).get("model_type")
+        raise ValueError(
+            f"position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
+            "position path. Leave it 0."
+        )
     if rotary_max_wavelength is not None:
         if not _is_number(rotary_max_wavelength) or rotary_max_wavelength <= 0:
             raise ValueError(

@@ -159,6 +159,41 @@ def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
                 parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
 
 
+# Where a learned table's owner adds other per-token vectors that can take the table's mean: token types
+# first (added to every token, used for nothing else), else the token embeddings.
+_FOLD_TARGETS = ("token_type_embeddings", "wte", "word_embeddings", "embed_tokens")
+
+
+def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int) -> None:
+    """Absolute rows, before :func:`absolute` removes the tables: add the mean of each table's first ``rows``
+    used rows (from its first position: OPT's offset, RoBERTa's ``padding_idx + 1``) to the vectors its owner
+    adds to every token (token-type embeddings, else the token embeddings), so every token keeps the table's
+    average offset. A tied LM head then gets the same vector in every row: the logits move by the same amount
+    for every token, so probabilities, losses and generation are unchanged by it. ``ValueError`` (nothing
+    changed) where the owner transforms its token embeddings before adding the table (OPT's ``project_in``).
+    """
+    edits = []
+    for path in paths:
+        for parent, _, table in find_modules(base, path):
+            target = next(
+                (getattr(parent, n) for n in _FOLD_TARGETS if isinstance(getattr(parent, n, None), nn.Embedding)), None
+            )
+            if target is None or getattr(parent, "project_in", None) is not None:
+                raise ValueError(
+                    f"position_mean cannot fold {path!r} of {type(base).__name__}: its owner has no token-type or "
+                    "token embedding added with it unchanged (a projection in between?). Pass position_mean=0."
+                )
+            padding = getattr(table, "padding_idx", None)
+            first = getattr(table, "offset", None) or (padding + 1 if padding is not None else 0)
+            used = table.weight[first : first + rows]
+            if used.shape[0] == 0:
+                raise ValueError(f"position_mean: {path!r} has no rows from position {first}. Pass position_mean=0.")
+            edits.append((target, used.detach().float().mean(0)))
+    with torch.no_grad():
+        for target, mean in edits:
+            target.weight.add_(mean.to(target.weight.dtype))
+
+
 def rotary(base: nn.Module, paths: tuple[str, ...], max_wavelength: float | None = None) -> None:
     """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead,
     or with ``max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""

@@ -175,9 +175,10 @@ def test_recover_returns_a_converted_student_closer_to_the_teacher():
     teacher = tiny_bert()
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     stream = random_ids(1, 4000, seed=4).reshape(-1)
-    result = recover(
-        teacher, stream, length=16, max_steps=12, batch_size=8, learning_rate=2e-3, progress=False, log=None
-    )
+    result = recover(  # the paper's conversion: the preset's starts at cosine 0.999 to this tiny teacher
+        teacher, stream, length=16, max_steps=12, batch_size=8, learning_rate=2e-3, preset="paper", progress=False,
+        log=None,
+    )  # fmt: skip
     assert hf_alibi.is_alibi_model(result.student) and not hf_alibi.is_alibi_model(teacher)
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
     assert all(p.requires_grad for p in teacher.parameters()), "recover must give the teacher back as it was"
