@@ -88,8 +88,9 @@ print(f"pretrained {steps} steps x 16 x {L} tokens; last loss {loss.item():.3f}"
 #
 # `patch_model(model)` is the paper's method, for training from scratch. On a checkpoint that was
 # pretrained with positions, `preset="pretrained"` keeps more of what it knew: the first token is an
-# attention sink (no distance penalty), the slopes are a hundredth of the paper's, and on rotary models the
-# rotary frequencies up to 8x the trained length stay (GPT-2 has none). Both convert a copy here; the KL
+# attention sink (no distance penalty), the slopes are a hundredth of the paper's, on rotary models the
+# rotary frequencies up to 8x the trained length stay (GPT-2 has none), and a learned table's mean (its first
+# 128 rows) stays in the token embeddings. Both convert a copy here; the KL
 # of their next-token distributions to the original's, on held-out text at the original length, says how
 # far each moved.
 
@@ -97,7 +98,8 @@ print(f"pretrained {steps} steps x 16 x {L} tokens; last loss {loss.item():.3f}"
 paper = hf_alibi.patch_model(copy.deepcopy(original)).eval()
 preset = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained").eval()
 settings = hf_alibi.get_settings(preset.config)
-print("preset settings:", {k: getattr(settings, k) for k in ("sinks", "slope_scale", "rotary_max_wavelength")})
+names = ("sinks", "slope_scale", "rotary_max_wavelength", "position_mean")
+print("preset settings:", {k: getattr(settings, k) for k in names})
 kl = {"paper": next_token_kl(paper, original, held_out, L), "preset": next_token_kl(preset, original, held_out, L)}
 print("KL(original || converted) per token:", {name: round(value, 4) for name, value in kl.items()})
 
@@ -125,7 +127,7 @@ result = recover(
     train_ids,
     max_steps=40 if FULL else 8,
     batch_size=8,
-    learning_rate=5e-4,
+    learning_rate=1e-4,
     eval_texts=held_out,
     max_eval_tokens=1024,
     progress=False,
