@@ -19,7 +19,7 @@ from .data import Blocks, as_stream, mlm_collator
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
-from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, resolve_lengths
+from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, default_learning_rate, resolve_lengths
 from .trainer import DistillationTrainer
 
 
@@ -60,7 +60,7 @@ def recover(
     length: int | None = None,
     max_steps: int = 500,
     batch_size: int = 8,
-    learning_rate: float = 2e-4,
+    learning_rate: float | None = None,
     warmup_steps: int | None = None,
     weight_decay: float = 0.01,
     lm_weight: float = 0.0,
@@ -96,7 +96,9 @@ def recover(
         length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
             is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
         max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
-            with a cosine schedule, through the Trainer.
+            with a cosine schedule, through the Trainer. ``learning_rate`` defaults by how close the conversion
+            starts (:func:`~hf_alibi.recover.settings.default_learning_rate`): with the preset 1e-5 for causal
+            LMs, 1e-4 for encoders and encoder-decoders; 2e-4 with the paper's conversion; x 10 with LoRA.
         lm_weight: share of the ordinary LM / MLM loss in the loss (0: distillation only).
         temperature, hidden_layers: see :func:`distillation_loss`.
         heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
@@ -144,6 +146,8 @@ def recover(
     if not 0 < eval_fraction < 1 and eval_texts is None:
         raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
     kind = model_kind(model)
+    if learning_rate is None:
+        learning_rate = default_learning_rate(kind, preset, lora_rank)
     try:
         lengths = resolve_lengths(original_length(model), length, eval_factors, max_eval_length)
     except ValueError as error:

@@ -17,6 +17,15 @@ MAX_DEFAULT_LENGTH = 512
 MAX_EVAL_LENGTH = 2048
 EVAL_FACTORS = (1, 2, 4, 8)
 
+# The learning rate when none is given, by how far the conversion starts from the original. The preset keeps
+# a causal LM's next tokens close (SmolLM2-135M: KL 0.004 per token at 256): full training at 2e-4 for 40
+# steps of 2 x 256 moved it away (KL 0.0035 -> 0.052), 1e-5 brought it closer (0.0038 -> 0.0027; at 1024
+# 0.020 -> 0.015). An encoder loses more (all-MiniLM-L6-v2: cosine 0.71 at 256 after the preset): 1e-4 took it
+# to 0.89 in 100 steps of 8 x 256. The paper's conversion starts far from any pretrained model. LoRA trains
+# far fewer weights from zero: LORA_FACTOR x the full rate. (docs/recovery.md has the runs.)
+DEFAULT_LEARNING_RATES = {"causal": 1e-5, "encoder": 1e-4, "seq2seq": 1e-4, "paper": 2e-4}
+LORA_FACTOR = 10.0
+
 
 @dataclass(frozen=True)
 class RecoveryLengths:
@@ -64,6 +73,18 @@ def resolve_lengths(
             f"max_eval_length {max_eval_length}"
         )
     return RecoveryLengths(length, kept, tuple(notes))
+
+
+def default_learning_rate(kind: str, preset: str | None, lora_rank: int = 0) -> float:
+    """The learning rate :func:`recover` uses when none is given (:data:`DEFAULT_LEARNING_RATES`).
+
+    >>> default_learning_rate("causal", "pretrained"), default_learning_rate("causal", "pretrained", lora_rank=16)
+    (1e-05, 0.0001)
+    >>> default_learning_rate("encoder", None)
+    0.0002
+    """
+    rate = DEFAULT_LEARNING_RATES["paper" if preset in (None, "paper") else kind]
+    return rate * LORA_FACTOR if lora_rank else rate
 
 
 def check_settings(original: int | None = None, **settings) -> None:
