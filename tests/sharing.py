@@ -112,7 +112,9 @@ except ImportError:
 """
 
 
-def run_child(code: str, cwd: Path, hf_home: Path, block_hf_alibi: bool) -> subprocess.CompletedProcess:
+def run_child(
+    code: str, cwd: Path, hf_home: Path, block_hf_alibi: bool, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python; with ``block_hf_alibi`` the child cannot import hf_alibi."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "HF_HUB_OFFLINE")}
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -126,7 +128,7 @@ def run_child(code: str, cwd: Path, hf_home: Path, block_hf_alibi: bool) -> subp
         stdin=subprocess.DEVNULL,  # transformers asks on stdin whether to trust remote code
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
 
 

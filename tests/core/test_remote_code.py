@@ -2,6 +2,7 @@
 
 import ast
 import json
+import traceback
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,15 @@ def _variant_dir(variant) -> str:
     return variant or "causal"
 
 
-@pytest.fixture(scope="module", params=TINY, ids=[t.name for t in TINY])
-def saved(request, tmp_path_factory):
-    """Per encoder variant: a patched tiny model saved with save_pretrained, its inputs, hf_alibi's outputs."""
-    case = request.param
-    root = tmp_path_factory.mktemp(f"remote_{case.name}")
+def _folder_name(case, variant) -> str:
+    """Distinct per row and variant: transformers copies a local folder's code to transformers_modules/<its name>."""
+    name = f"remote_{case.name}_{_variant_dir(variant)}"
+    assert name.isidentifier(), name  # transformers would rename it (and the module check below would not match)
+    return name
+
+
+def _save(case, root: Path) -> str:
+    """Per encoder variant: the patched tiny model saved with save_pretrained, its inputs, hf_alibi's outputs."""
     for variant in case.variants:
         original = case.make()
         inputs = example_inputs(case.model_type, original)
@@ -87,7 +92,7 @@ def saved(request, tmp_path_factory):
             original_out = output_tensor(original(**inputs))
         model = hf_alibi.patch_model(original, encoder_variant=variant)
         model.set_attn_implementation(default_backend(case.model_type))  # the one from_pretrained picks
-        folder = root / _variant_dir(variant)
+        folder = root / _folder_name(case, variant)
         model.save_pretrained(folder)
         expected = {"inputs": inputs}
         with torch.no_grad():
@@ -103,60 +108,88 @@ def saved(request, tmp_path_factory):
         # converting changed the numbers: the comparison below cannot pass by loading the original model
         assert not torch.allclose(expected["sdpa"], original_out, atol=1e-3)
         torch.save(expected, folder / "expected.pt")
-    auto_name = next(a for a, c in auto_classes_for(case.model_type).items() if c == type(case.make()).__name__)
-    return case, root, auto_name
+    return next(a for a, c in auto_classes_for(case.model_type).items() if c == type(case.make()).__name__)
+
+
+@pytest.fixture(scope="module")
+def saved_rows(tmp_path_factory):
+    """Every row's folders, saved once for the module: {row name: auto class name, or the traceback of its failure}."""
+    root = tmp_path_factory.mktemp("remote")
+    rows = {}
+    for case in TINY:
+        try:
+            rows[case.name] = _save(case, root)
+        except Exception:  # that row's tests fail with it; the other rows go on
+            rows[case.name] = "FAILED\n" + traceback.format_exc()
+    return root, rows
+
+
+@pytest.fixture(params=TINY, ids=[t.name for t in TINY])
+def saved(request, saved_rows):
+    """One row: (case, the folder holding its variants' folders, the Auto class of its model)."""
+    case, (root, rows) = request.param, saved_rows
+    if rows[case.name].startswith("FAILED\n"):
+        pytest.fail(f"saving {case.name} failed:\n{rows[case.name]}")
+    return case, root, rows[case.name]
 
 
 CHILD_COMPARE = """
-import json, os, sys, torch, transformers
-refusals = {}  # first, without trust_remote_code: the Auto class and the original class must refuse
-os.chdir(os.path.join(ROOT, VARIANTS[0]))
-for loader in (AUTO, BASE):
-    try:
-        getattr(transformers, loader).from_pretrained(".")
-        refusals[loader] = "LOADED"
-    except Exception as error:
-        refusals[loader] = type(error).__name__ + ": " + str(error)
-reports = {}
-for variant in VARIANTS:
-    os.chdir(os.path.join(ROOT, variant))
-    expected = torch.load("expected.pt")
-    model = getattr(transformers, AUTO).from_pretrained(".", trust_remote_code=True).eval()
-    report = reports[variant] = {"class": type(model).__name__, "module": type(model).__module__,
-                                 "attn": model.config._attn_implementation}
-    def diff(name):
-        with torch.no_grad():
-            out = model(**expected["inputs"])
-        out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
-                   if getattr(out, n, None) is not None)
-        report[name] = (out - expected[name]).abs().max().item()
-    diff("sdpa")
-    with torch.no_grad():
-        out = model(**expected["long_inputs"])
-    out = next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
-               if getattr(out, n, None) is not None)
-    report["long"] = (out - expected["long"]).abs().max().item()
-    report["paths"] = sorted({m.last_path for m in model.modules() if type(m).__name__ == "AlibiBias"})
-    report["expected_paths"] = expected["paths"]
-    if "generated" in expected:
-        prompt = {"input_ids": expected["inputs"]["input_ids"][:1, :6]}
-        generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-        report["generated_equal"] = torch.equal(generated, expected["generated"])
-    model.set_attn_implementation("eager")
-    report["attn_eager"] = model.config._attn_implementation
-    diff("eager")
-print(json.dumps({"hf_alibi_loaded": "hf_alibi" in sys.modules, "reports": reports, "refusals": refusals}))
+import json, os, sys, traceback, torch, transformers
+def main_output(out):
+    return next(getattr(out, n) for n in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+                if getattr(out, n, None) is not None)
+results = {name: {"refusals": {}, "reports": {}} for name in ROWS}
+# first, before any remote code is loaded in this process: without trust_remote_code, the Auto class and the
+# original class must refuse every row's checkpoint
+for name, row in ROWS.items():
+    for loader in (row["auto"], row["base"]):
+        try:
+            getattr(transformers, loader).from_pretrained(row["folders"][0])
+            results[name]["refusals"][loader] = "LOADED"
+        except Exception as error:
+            results[name]["refusals"][loader] = type(error).__name__ + ": " + str(error)
+for name, row in ROWS.items():
+    for folder in row["folders"]:
+        report = results[name]["reports"][os.path.basename(folder)] = {}
+        try:  # a failure is this variant's report: it hides no other row
+            expected = torch.load(os.path.join(folder, "expected.pt"))
+            model = getattr(transformers, row["auto"]).from_pretrained(folder, trust_remote_code=True).eval()
+            report.update({"class": type(model).__name__, "module": type(model).__module__,
+                           "config_module": type(model.config).__module__, "attn": model.config._attn_implementation})
+            with torch.no_grad():
+                report["sdpa"] = (main_output(model(**expected["inputs"])) - expected["sdpa"]).abs().max().item()
+                out = main_output(model(**expected["long_inputs"]))
+            report["long"] = (out - expected["long"]).abs().max().item()
+            report["paths"] = sorted({m.last_path for m in model.modules() if type(m).__name__ == "AlibiBias"})
+            report["expected_paths"] = expected["paths"]
+            if "generated" in expected:
+                prompt = {"input_ids": expected["inputs"]["input_ids"][:1, :6]}
+                generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+                report["generated_equal"] = torch.equal(generated, expected["generated"])
+            model.set_attn_implementation("eager")
+            report["attn_eager"] = model.config._attn_implementation
+            with torch.no_grad():
+                report["eager"] = (main_output(model(**expected["inputs"])) - expected["eager"]).abs().max().item()
+        except Exception:
+            report["error"] = traceback.format_exc()
+print(json.dumps({"hf_alibi_loaded": "hf_alibi" in sys.modules, "rows": results}))
 """
 
 
 @pytest.fixture(scope="module")
-def child_output(saved, tmp_path_factory):
-    """One fresh process that cannot import hf_alibi loads every variant's folder (see CHILD_COMPARE)."""
-    case, root, auto_name = saved
-    variants = [_variant_dir(v) for v in case.variants]
-    base = auto_classes_for(case.model_type)[auto_name]
-    prelude = f"AUTO = {auto_name!r}\nBASE = {base!r}\nROOT = {str(root)!r}\nVARIANTS = {variants!r}\n"
-    result = run_child(prelude + CHILD_COMPARE, root, tmp_path_factory.mktemp("hf"), block_hf_alibi=True)
+def child_output(saved_rows, tmp_path_factory):
+    """One fresh process that cannot import hf_alibi loads every row's folders (see CHILD_COMPARE)."""
+    root, rows = saved_rows
+    spec = {}
+    for case in TINY:
+        if not rows[case.name].startswith("FAILED\n"):
+            auto_name = rows[case.name]
+            spec[case.name] = {"auto": auto_name, "base": auto_classes_for(case.model_type)[auto_name],
+                               "folders": [str(root / _folder_name(case, v)) for v in case.variants]}  # fmt: skip
+    prelude = f"ROWS = {spec!r}\n"
+    # the rows run one after another in the child: allow each one what a child of its own had
+    result = run_child(prelude + CHILD_COMPARE, root, tmp_path_factory.mktemp("hf"), block_hf_alibi=True,
+                       timeout=300 * len(spec))  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return last_json_line(result.stdout)
 
@@ -164,23 +197,29 @@ def child_output(saved, tmp_path_factory):
 def test_remote_code_without_hf_alibi_gives_hf_alibis_outputs(saved, child_output):
     case, root, auto_name = saved
     assert child_output["hf_alibi_loaded"] is False
-    assert sorted(child_output["reports"]) == sorted(_variant_dir(v) for v in case.variants)
-    for variant, report in child_output["reports"].items():
-        assert report["module"].startswith("transformers_modules.") and report["module"].endswith(".modeling_alibi")
+    reports = child_output["rows"][case.name]["reports"]
+    assert sorted(reports) == sorted(_folder_name(case, v) for v in case.variants)
+    for folder, report in reports.items():
+        assert "error" not in report, f"{folder}:\n{report['error']}"
+        # the class comes from this folder's own copy of the code (transformers_modules.<folder>.<hash>.)
+        assert report["module"].startswith(f"transformers_modules.{folder}.") and report["module"].endswith(
+            ".modeling_alibi"
+        ), report
+        assert report["config_module"] == report["module"], report
         assert report["class"] == "Alibi" + auto_classes_for(case.model_type)[auto_name]
         assert report["attn"] == "alibi_remote_" + default_backend(case.model_type)
         assert report["attn_eager"] == "alibi_remote_eager"
-        assert report["sdpa"] <= 1e-5, (variant, sorted(report.items()))
-        assert report["long"] <= 1e-5, (variant, sorted(report.items()))  # past the original maximum
-        assert report["paths"] == report["expected_paths"], (variant, report)  # the same attention path
-        assert report["eager"] <= 1e-5, (variant, report)
+        assert report["sdpa"] <= 1e-5, (folder, sorted(report.items()))
+        assert report["long"] <= 1e-5, (folder, sorted(report.items()))  # past the original maximum
+        assert report["paths"] == report["expected_paths"], (folder, report)  # the same attention path
+        assert report["eager"] <= 1e-5, (folder, report)
         if "generated_equal" in report:
-            assert report["generated_equal"], (variant, report)
+            assert report["generated_equal"], (folder, report)
 
 
 def test_without_trust_remote_code_loading_fails_clearly(saved, child_output):
     case, root, auto_name = saved
-    refusals = child_output["refusals"]
+    refusals = child_output["rows"][case.name]["refusals"]
     # the Auto class sees the remote code and asks for trust_remote_code
     assert "trust_remote_code=True" in refusals[auto_name], refusals
     # the original class is refused by the marker in place of the removed position-table size
@@ -189,7 +228,7 @@ def test_without_trust_remote_code_loading_fails_clearly(saved, child_output):
 
 def test_remote_code_never_replaces_hf_alibis_functions(saved):
     case, root, auto_name = saved
-    model_type, folder = case.model_type, root / _variant_dir(case.variants[0])
+    model_type, folder = case.model_type, root / _folder_name(case, case.variants[0])
     before = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("alibi_sdpa", "alibi_eager")}
     class_ref = f"modeling_alibi.Alibi{auto_classes_for(model_type)[auto_name]}"
     remote_cls = get_class_from_dynamic_module(class_ref, str(folder))
@@ -206,7 +245,7 @@ def test_remote_code_never_replaces_hf_alibis_functions(saved):
 
 def test_saved_config_points_auto_map_at_the_remote_code(saved):
     case, root, auto_name = saved
-    model_type, folder = case.model_type, root / _variant_dir(case.variants[-1])
+    model_type, folder = case.model_type, root / _folder_name(case, case.variants[-1])
     config = json.loads((folder / "config.json").read_text())
     assert (folder / "modeling_alibi.py").read_text() == REMOTE_CODE_FILE.read_text()
     auto_map = config["auto_map"]

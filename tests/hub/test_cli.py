@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -29,24 +30,37 @@ ARCHITECTURES = sorted(TINY_BY_TYPE)  # the full cases (tests/arch_cases.py)
 SUPPORTED = hf_alibi.supported_model_types()
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def source(request, tmp_path_factory):
-    """An unpatched tiny checkpoint with a tokenizer, as a user would have on disk."""
-    model_type = request.param
-    folder = tmp_path_factory.mktemp(f"src_{model_type}")
-    TINY_BY_TYPE[model_type].make().save_pretrained(folder)
-    make_tokenizer(folder)
-    return model_type, folder
-
-
-@pytest.fixture(scope="module")
-def converted(source, tmp_path_factory):
-    model_type, src = source
-    out = tmp_path_factory.mktemp(f"out_{model_type}") / "alibi"
+def _convert(model_type, tmp_path_factory):
+    """An unpatched tiny checkpoint with a tokenizer, as a user would have on disk, and its conversion."""
+    src = tmp_path_factory.mktemp(f"src_{model_type}")
+    TINY_BY_TYPE[model_type].make().save_pretrained(src)
+    make_tokenizer(src)
+    # a name of its own: transformers copies a local folder's code to transformers_modules/<its name>
+    out = tmp_path_factory.mktemp(f"out_{model_type}") / f"alibi_{model_type}"
     before = folder_hash(src)
     assert cli.main(["convert", str(src), str(out)]) == 0
     assert folder_hash(src) == before, "convert modified SRC"
-    return model_type, src, out
+    return src, out
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory):
+    """Every model type converted once for the module: {model type: (src, out), or the traceback of its failure}."""
+    done = {}
+    for model_type in ARCHITECTURES:
+        try:
+            done[model_type] = _convert(model_type, tmp_path_factory)
+        except Exception:  # that model type's tests fail with it; the others go on
+            done[model_type] = traceback.format_exc()
+    return done
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def converted(request, conversions):
+    model_type = request.param
+    if isinstance(conversions[model_type], str):
+        pytest.fail(f"converting {model_type} failed:\n{conversions[model_type]}")
+    return (model_type, *conversions[model_type])
 
 
 def test_convert_writes_a_complete_alibi_checkpoint(converted):
@@ -209,26 +223,56 @@ def test_out_overlapping_src_is_refused(gpt2_src, capsys, where):
     assert folder_hash(gpt2_src) == before
 
 
-def test_converted_checkpoint_loads_without_hf_alibi(converted, tmp_path):
+LOAD_WITHOUT_HF_ALIBI = """
+import json, os, traceback, torch, transformers
+reports = {}
+for model_type, (auto_name, folder, expected_file) in ROWS.items():
+    try:  # a failure is this model type's report: it hides no other
+        expected = torch.load(expected_file)
+        model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True).eval()
+        with torch.no_grad():
+            out = model(**expected["inputs"])
+        names = ("logits", "prediction_logits", "last_hidden_state")
+        out = next(getattr(out, n) for n in names if getattr(out, n, None) is not None)
+        reports[model_type] = {"module": type(model).__module__, "diff": (out - expected["out"]).abs().max().item()}
+    except Exception:
+        reports[model_type] = {"error": traceback.format_exc()}
+print(json.dumps(reports))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded_without_hf_alibi(conversions, tmp_path_factory):
+    """One fresh process that cannot import hf_alibi loads every converted folder with the folder's own code."""
+    rows, failed = {}, {}
+    for model_type, conversion in conversions.items():
+        if isinstance(conversion, str):
+            continue  # the converted fixture reports it
+        src, out = conversion
+        try:
+            model = cli.model_class_for(json.loads((src / "config.json").read_text())).__name__
+            auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == model)
+            reference = getattr(transformers, auto_name).from_pretrained(out).eval()  # hf_alibi's classes
+            inputs = example_inputs(model_type, reference)
+            expected = tmp_path_factory.mktemp(f"expected_{model_type}") / "expected.pt"
+            with torch.no_grad():
+                torch.save({"inputs": inputs, "out": output_tensor(reference(**inputs))}, expected)
+            rows[model_type] = (auto_name, str(out), str(expected))
+        except Exception:
+            failed[model_type] = {"error": traceback.format_exc()}
+    # the model types run one after another in the child: allow each one what a child of its own had
+    code = f"ROWS = {rows!r}\n" + LOAD_WITHOUT_HF_ALIBI
+    result = run_child(code, tmp_path_factory.mktemp("load"), tmp_path_factory.mktemp("hf"), block_hf_alibi=True,
+                       timeout=300 * max(len(rows), 1))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return last_json_line(result.stdout) | failed
+
+
+def test_converted_checkpoint_loads_without_hf_alibi(converted, loaded_without_hf_alibi):
     """The CLI's folder (converted from a checkpoint read with from_pretrained) loads with its own code."""
     model_type, src, out = converted
-    model = cli.model_class_for(json.loads((src / "config.json").read_text())).__name__
-    auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == model)
-    reference = getattr(transformers, auto_name).from_pretrained(out).eval()  # hf_alibi's classes
-    inputs = example_inputs(model_type, reference)
-    with torch.no_grad():
-        torch.save({"inputs": inputs, "out": output_tensor(reference(**inputs))}, tmp_path / "expected.pt")
-    code = f"""
-    import json, torch, transformers
-    expected = torch.load({str(tmp_path / "expected.pt")!r})
-    model = transformers.{auto_name}.from_pretrained(".", trust_remote_code=True).eval()
-    with torch.no_grad():
-        out = model(**expected["inputs"])
-    names = ("logits", "prediction_logits", "last_hidden_state")
-    out = next(getattr(out, n) for n in names if getattr(out, n, None) is not None)
-    print(json.dumps({{"module": type(model).__module__, "diff": (out - expected["out"]).abs().max().item()}}))
-    """
-    result = run_child(code, out, tmp_path / "hf", block_hf_alibi=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = last_json_line(result.stdout)
+    report = loaded_without_hf_alibi[model_type]
+    assert "error" not in report, report["error"]
+    # the class comes from this folder's own copy of the code (transformers_modules.<folder>.<hash>.)
+    assert report["module"].startswith(f"transformers_modules.{out.name}."), report
     assert report["module"].endswith("modeling_alibi") and report["diff"] <= 1e-5, report
