@@ -285,6 +285,8 @@ def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[tor
         )
     held = text.ids[: args.recover_length * 4 + 1]
     extra = {} if args.recover_lr is None else {"learning_rate": args.recover_lr}
+    if args.recover_lora_rank:
+        extra["lora_rank"] = args.recover_lora_rank
     with conversion_options(arm.options) as direct:
         result = recover(
             teacher,
@@ -302,6 +304,8 @@ def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[tor
             **extra,
         )
     info = {"recover_tokens": result.info["tokens"], "recover_seconds": result.info["train_seconds"]}
+    info["recover_lr"] = result.info["learning_rate"]
+    info["recover_lora_rank"] = result.info["lora_rank"]
     info["kl"] = f"{result.history[0]['kl']:.4f} -> {result.history[-1]['kl']:.4f}" if "kl" in result.final else ""
     return result.student.eval(), info
 
@@ -349,6 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recover_batch", type=int, default=2)
     p.add_argument("--recover_length", type=int, default=256)
     p.add_argument("--recover_lr", type=float, default=None, help="default: recover()'s")
+    p.add_argument("--recover_lora_rank", type=int, default=0, help="recover with LoRA of this rank (0: every weight)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="append each row as one JSON line to this file")
     args = p.parse_args(argv)
