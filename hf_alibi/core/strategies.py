@@ -107,12 +107,18 @@ class RetainedRotary(nn.Module):
     Which dimensions are kept is read from the original's own answer at positions 0 and 1 (the
     angle ``atan2(sin, cos)`` at position 1 is ``w``, in float32), once per call signature: so it
     holds for every layout (halves as Llama, interleaved pairs as Cohere, partial rotary as Phi-3 or
-    GPT-NeoX) and depends on the config (``inv_freq`` is a non-persistent buffer), not on weights.
-    ``kept`` reports the last probe's mask (tests). The original is kept as ``original``.
+    GPT-NeoX) and depends on the config (``inv_freq`` is a non-persistent buffer), not on weights. A
+    ``dynamic`` rope type keeps the frequencies it was trained at (no per-length rescaling). ``kept``
+    reports the last probe's mask (tests). The original is kept as ``original``.
     """
 
     def __init__(self, original: nn.Module, max_wavelength: float):
         super().__init__()
+        if "dynamic" in str(getattr(original, "rope_type", "")):
+            # Dynamic NTK scaling stretches RoPE past its trained length (ALiBi does that now) and reads the
+            # config's max_position_embeddings, which a converted model no longer has: keep the frequencies it
+            # was built with (those it was trained at) and stop the per-length update.
+            original.rope_type = "default"
         self.original = original
         self.max_wavelength = float(max_wavelength)
         self._probes: dict = {}

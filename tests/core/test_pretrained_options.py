@@ -179,6 +179,26 @@ def test_rotary_keeps_exactly_the_short_wavelengths():
     assert model.model.rotary_emb.kept.tolist() == [w <= WAVELENGTH for w in wavelengths]
 
 
+def test_a_dynamic_rope_keeps_its_trained_frequencies_past_the_length_and_reloads(tmp_path):
+    """Dynamic NTK rope (rescaled past max_position_embeddings, which a converted config no longer has): with
+    retained rotary it runs at its trained frequencies, i.e. as the same weights with the default rope type."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": THETA}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**ROTARY, "rope_parameters": dynamic})).eval()
+    reference = make("llama")  # rope_type default
+    reference.load_state_dict(model.state_dict())
+    hf_alibi.patch_model(model, preset="pretrained")
+    hf_alibi.patch_model(reference, preset="pretrained")
+    ids = random_ids(1, 3 * 16)  # 3 x the 16 positions: the dynamic update would rescale here
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        torch.testing.assert_close(logits, reference(input_ids=ids).logits, rtol=0, atol=1e-6)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, rtol=0, atol=1e-6)
+
+
 def test_settings_are_saved_and_reload(tmp_path):
     model = hf_alibi.patch_model(make("llama"), preset="pretrained", slope_scale=0.25)
     model.save_pretrained(tmp_path)
