@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--batch-size", "--batch_size", type=int, default=8)
     rec.add_argument(
         "--learning-rate", "--learning_rate", type=float, default=None,
-        help="default: 1e-5 causal, 1e-4 encoders (the preset); 2e-4 (--preset paper); x 10 with LoRA",
+        help="default: 1e-5 causal, 1e-4 encoders (the preset); 2e-4 (--preset paper); x 20 with LoRA",
     )  # fmt: skip
     rec.add_argument("--lm-weight", "--lm_weight", type=float, default=0.0, help="share of the LM/MLM loss (0..1)")
     rec.add_argument("--temperature", type=float, default=1.0, help="KL temperature (causal LMs)")

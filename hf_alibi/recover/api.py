@@ -98,7 +98,7 @@ def recover(
         max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
             with a cosine schedule, through the Trainer. ``learning_rate`` defaults by how close the conversion
             starts (:func:`~hf_alibi.recover.settings.default_learning_rate`): with the preset 1e-5 for causal
-            LMs, 1e-4 for encoders and encoder-decoders; 2e-4 with the paper's conversion; x 10 with LoRA.
+            LMs, 1e-4 for encoders and encoder-decoders; 2e-4 with the paper's conversion; x 20 with LoRA.
         lm_weight: share of the ordinary LM / MLM loss in the loss (0: distillation only).
         temperature, hidden_layers: see :func:`distillation_loss`.
         heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to

@@ -61,7 +61,7 @@ def test_preset_pretrained_is_the_default_and_paper_the_old_behaviour():
     "make, options, rate",
     [
         (tiny_gpt2, {}, 1e-5),  # the preset keeps a causal LM close: a small step
-        (tiny_gpt2, {"lora_rank": 2}, 1e-4),  # LoRA: 10 x
+        (tiny_gpt2, {"lora_rank": 2}, 2e-4),  # LoRA: 20 x
         (tiny_gpt2, {"preset": "paper"}, 2e-4),  # the paper's conversion starts far
         (tiny_bert, {}, 1e-4),  # an encoder loses more in the conversion
     ],
