@@ -260,6 +260,9 @@ def test_rotary_bound_on_a_model_without_rotary_and_sinks_on_t5_are_refused():
     )
     with pytest.raises(ValueError, match="sinks=2 is not supported for encoder-decoder models"):
         hf_alibi.patch_model(t5, sinks=2)
+    # the preset (recover's default) leaves the sinks out there, and keeps its slopes
+    settings = hf_alibi.get_settings(hf_alibi.patch_model(t5, preset="pretrained").config)
+    assert (settings.sinks, settings.slope_scale, settings.position_mean) == (0, 0.01, 0)
     with pytest.raises(ValueError, match="rotary_max_wavelength applies to rotary models only"):
         hf_alibi.AlibiSettings("gpt2", 4, architecture={"model_type": "gpt2", "strategy": "absolute"},
                                rotary_max_wavelength=10.0)  # fmt: skip
