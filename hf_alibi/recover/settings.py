@@ -92,7 +92,7 @@ def check_settings(original: int | None = None, **settings) -> None:
     """One-line ``ValueError`` for the first bad recovery setting (keyword arguments of :func:`recover`);
     ``original`` is the teacher's maximum length, which ``length`` may not pass (it could not run there).
 
-    >>> check_settings(32, length=64)
+    >>> check_settings(32, length=64)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: length 64 is longer than the original model's 32 positions: the teacher cannot run there. ...
     """
