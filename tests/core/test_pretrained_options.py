@@ -289,6 +289,11 @@ for backend in ("sdpa", "eager"):
 inputs = {"input_ids": expected["ids"], "attention_mask": expected["mask"]}
 generated = model.generate(**inputs, max_new_tokens=6, do_sample=False)
 report["generated"] = torch.equal(generated, expected["generated"])
+bert = transformers.AutoModel.from_pretrained("bert", trust_remote_code=True).eval()  # position_mean folded
+report["bert_position_mean"] = bert.config.alibi["position_mean"]
+with torch.no_grad():
+    hidden = bert(input_ids=expected["bert_ids"]).last_hidden_state
+report["bert"] = (hidden - expected["bert_hidden"]).abs().max().item()
 print(json.dumps(report))
 """
 
@@ -306,12 +311,20 @@ def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
         plain = hf_alibi.patch_model(make("llama"))(input_ids=ids, attention_mask=mask).logits
     assert (plain - logits).abs().max() > 1e-2
     model.save_pretrained(tmp_path)
-    torch.save({"ids": ids, "mask": mask, "logits": logits, "generated": generated}, tmp_path / "expected.pt")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(**BERT)).eval()
+    hf_alibi.patch_model(bert, preset="pretrained").save_pretrained(tmp_path / "bert")  # the table's mean kept
+    bert_ids = random_ids(2, LENGTH)
+    with torch.no_grad():
+        bert_hidden = bert(input_ids=bert_ids).last_hidden_state
+    expected = {"ids": ids, "mask": mask, "logits": logits, "generated": generated}
+    torch.save({**expected, "bert_ids": bert_ids, "bert_hidden": bert_hidden}, tmp_path / "expected.pt")
     result = run_child(LOAD_WITHOUT_HF_ALIBI, tmp_path, tmp_path / "hf", block_hf_alibi=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = last_json_line(result.stdout)
     assert report["hf_alibi"] is False and report["rotary"] == "RetainedRotary", report
     assert report["sdpa"] <= 1e-5 and report["eager"] <= 1e-5 and report["generated"], report
+    assert report["bert_position_mean"] == 128 and report["bert"] <= 1e-5, report
 
 
 def sliding(model_type: str, **extra):
