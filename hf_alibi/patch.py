@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from .core.config import AlibiSettings, check_pretrained_options, get_settings, is_alibi_config
-from .core.modeling import check_sinks_fit, convert
+from .core.modeling import check_sinks_fit, convert, sinks_fit
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import fold_position_mean
 from .registry import alibi_classes, get_architecture
@@ -68,8 +68,8 @@ def resolve_options(
     values.update(PRESETS.get(preset, {}))
     if row.strategy != "absolute":
         values["position_mean"] = 0
-    if getattr(config, "is_encoder_decoder", False):
-        values["sinks"] = 0  # not built for encoder-decoders yet (check_sinks_fit): a preset leaves them out
+    if not sinks_fit(config):
+        values["sinks"] = 0  # not built there yet (an explicit value is refused): a preset leaves them out
     bound = values["rotary_max_wavelength"]
     if isinstance(bound, OriginalLength):
         length = getattr(config, "max_position_embeddings", None)

@@ -62,9 +62,14 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
         module.register_forward_hook(masks.release)  # the shared masks live for one forward only
 
 
-def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
+def sinks_fit(config: PretrainedConfig) -> bool:
     """Sinks are placed by the model's one ``attention_mask``: an encoder-decoder has two (not yet)."""
-    if settings.sinks and getattr(config, "is_encoder_decoder", False):
+    return not getattr(config, "is_encoder_decoder", False)
+
+
+def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
+    """One-line ``ValueError`` for sinks on a model they do not fit (:func:`sinks_fit`)."""
+    if settings.sinks and not sinks_fit(config):
         raise ValueError(
             f"sinks={settings.sinks} is not supported for encoder-decoder models ({settings.base_model_type}) yet: "
             "its encoder and decoder are padded separately. Use sinks=0."
