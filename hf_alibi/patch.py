@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from .core.config import AlibiSettings, check_pretrained_options, get_settings, is_alibi_config
+from .core.config import AlibiSettings, get_settings, is_alibi_config
 from .core.modeling import check_sinks_fit, convert, sinks_fit
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import fold_position_mean
@@ -127,8 +127,7 @@ def settings_for(
         config, row, preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale,
         slopes=slopes, position_mean=position_mean,
     )  # fmt: skip
-    check_pretrained_options(heads, architecture=row.to_dict(), **options)
-    settings = AlibiSettings(
+    settings = AlibiSettings(  # checks the options (check_pretrained_options) as it is made
         base_model_type=config.model_type,
         heads=heads,
         encoder_variant=encoder_variant,
