@@ -27,15 +27,6 @@ from hf_alibi.recover import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: more threads only wait on each other (about 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def hand_kl(student_logits, teacher_logits) -> float:
     """KL(teacher || student) per token, mean: written out with math, one token at a time."""
     total, count = 0.0, 0

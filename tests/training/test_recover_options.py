@@ -13,14 +13,6 @@ from hf_alibi.recover import recover, recovery_card_section
 from hf_alibi.recover.settings import check_settings, resolve_lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_default_lengths_are_bounded_and_say_so():
     smol = resolve_lengths(8192)  # SmolLM2: train at 512, agreement at 512, 1024, 2048
     assert (smol.length, smol.factors) == (512, (1, 2, 4))
