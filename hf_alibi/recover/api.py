@@ -136,8 +136,9 @@ def recover(
         )
     if hidden_layers not in HIDDEN_LAYERS:
         raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
+    original = original_length(model)
     check_settings(
-        original_length(model), length=length, max_steps=max_steps, batch_size=batch_size,
+        original, length=length, max_steps=max_steps, batch_size=batch_size,
         learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay, lm_weight=lm_weight,
         temperature=temperature, warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
         eval_every=eval_every, lora_rank=lora_rank, preset=preset, max_eval_length=max_eval_length,
@@ -146,10 +147,11 @@ def recover(
     if not 0 < eval_fraction < 1 and eval_texts is None:
         raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
     kind = model_kind(model)
+    preset = None if preset == "paper" else preset
     if learning_rate is None:
         learning_rate = default_learning_rate(kind, preset, lora_rank)
     try:
-        lengths = resolve_lengths(original_length(model), length, eval_factors, max_eval_length)
+        lengths = resolve_lengths(original, length, eval_factors, max_eval_length)
     except ValueError as error:
         raise ValueError(f"{model.config.model_type}: {error}") from None
     length, eval_factors = lengths.length, lengths.factors
@@ -177,7 +179,6 @@ def recover(
     was_training = teacher.training
     requires_grad = [p.requires_grad for p in teacher.parameters()]
     student = copy.deepcopy(teacher).requires_grad_(True)
-    preset = None if preset == "paper" else preset
     hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset)
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
