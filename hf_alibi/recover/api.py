@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, de
 import hf_alibi
 
 from ..core.compat import name_or_path
-from .data import Blocks, as_stream, mlm_collator
+from .data import NO_FRAME, Blocks, as_stream, framed_blocks, mlm_collator, special_frame
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
@@ -92,7 +92,10 @@ def recover(
             never changed (its weights get no gradients).
         texts: the user's unlabeled text (a list of strings; needs ``tokenizer``), or a 1-d tensor of
             token ids. Cut into blocks of ``length`` tokens; the last ``eval_fraction`` of the tokens
-            (or ``eval_texts``) is held out for the agreement figures.
+            (or ``eval_texts``) is held out for the agreement figures. For encoders and encoder-decoders
+            each block (and each input of the agreement figures) carries the special tokens ``tokenizer``
+            adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.data.special_frame`), as the model
+            reads its inputs; causal LMs read the stream as it is.
         length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
             is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
         max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
@@ -166,14 +169,17 @@ def recover(
         held = max(int(stream.numel() * eval_fraction), length + 1)
         train_stream, eval_stream = stream[:-held], stream[-held:]
     eval_stream = eval_stream[: max_eval_tokens + 1]
-    n_blocks = train_stream.numel() // length
+    # An encoder reads its special tokens around every input ([CLS] ... [SEP]): so do its blocks. A causal LM
+    # reads a stream, as it was trained.
+    frame = special_frame(tokenizer) if kind != CAUSAL else NO_FRAME
+    blocks = framed_blocks(train_stream, length, frame)
+    n_blocks = len(blocks)
     if n_blocks < 1 or eval_stream.numel() <= length:
         raise ValueError(
             f"The text is too short: {stream.numel()} tokens, but recovering at length {length} needs at least one "
             f"training window of {length} tokens and a held-out slice of {length + 1} "
             f"({2 * length + 1} tokens in all). Pass more text, or a smaller length."
         )
-    blocks = train_stream[: n_blocks * length].view(n_blocks, length)
 
     teacher = model
     was_training = teacher.training
@@ -192,7 +198,7 @@ def recover(
     trained = add_lora(student, lora_rank) if lora_rank else student
 
     def evaluate(step: int) -> None:
-        figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind)
+        figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind, frame)
         history.append({"step": step, "tokens": step * tokens_per_step, **figures})
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
         _write(line, say)
@@ -261,6 +267,7 @@ def recover(
         "length": length,
         "tokens": max_steps * tokens_per_step,
         "train_tokens_available": int(n_blocks * length),
+        "special_tokens_per_block": len(frame[0]) + len(frame[1]),
         "epochs": round(epochs, 3),
         "learning_rate": learning_rate,
         "preset": preset or "paper",

@@ -83,6 +83,51 @@ def token_stream(texts: Sequence[str], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+Frame = tuple[tuple[int, ...], tuple[int, ...]]
+NO_FRAME: Frame = ((), ())
+
+
+def special_frame(tokenizer) -> Frame:
+    """The ids ``tokenizer`` puts before and after a text's own ids when it adds its special tokens:
+    BERT's ``([CLS],), ([SEP],)``, RoBERTa's ``(<s>,), (</s>,)``, T5's ``(), (</s>,)``; ``((), ())`` when it
+    adds none (or when there is no tokenizer). Found by tokenizing a probe with and without them.
+
+    >>> special_frame(bert_tokenizer)
+    ((101,), (102,))
+    """
+    if tokenizer is None:
+        return NO_FRAME
+    probe = "hello world"
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(probe)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return tuple(full[:start]), tuple(full[start + len(plain) :])
+    return NO_FRAME
+
+
+def framed_blocks(stream: torch.Tensor, length: int, frame: Frame = NO_FRAME) -> torch.Tensor:
+    """Blocks (N, length) of ``stream``: consecutive pieces of ``length - len(prefix) - len(suffix)`` tokens,
+    each between the frame's prefix and suffix, so an encoder trains on inputs shaped like the ones it reads
+    (``[CLS] ... [SEP]``). With no frame, the stream cut into blocks of ``length``. N may be 0.
+
+    >>> framed_blocks(torch.arange(10, 16), 4, ((1,), (2,)))
+    tensor([[ 1, 10, 11,  2],
+            [ 1, 12, 13,  2],
+            [ 1, 14, 15,  2]])
+    """
+    prefix, suffix = frame
+    content = length - len(prefix) - len(suffix)
+    if content < 1:
+        raise ValueError(
+            f"length {length} leaves no room for text between the tokenizer's {len(prefix) + len(suffix)} special "
+            "tokens. Pass a larger length."
+        )
+    n = stream.numel() // content
+    body = stream[: n * content].view(n, content)
+    return torch.cat([body.new_tensor(prefix).expand(n, -1), body, body.new_tensor(suffix).expand(n, -1)], dim=1)
+
+
 def mlm_collator(tokenizer, probability: float = 0.15):
     """A collator that masks ``probability`` of the tokens for the MLM share of an encoder's loss."""
     from transformers import DataCollatorForLanguageModeling

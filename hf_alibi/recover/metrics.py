@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..evaluation import evaluate_perplexity
+from .data import NO_FRAME, Frame, framed_blocks
 from .introspection import CAUSAL, model_kind
 from .losses import kl_next_token
 
@@ -45,21 +46,31 @@ def _windows(stream: torch.Tensor, length: int, limit: int | None = None) -> tor
 
 @torch.no_grad()
 def embedding_cosine(
-    student: PreTrainedModel, teacher: PreTrainedModel, stream: torch.Tensor, length: int, factor: int = 1
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
+    stream: torch.Tensor,
+    length: int,
+    factor: int = 1,
+    frame: Frame = NO_FRAME,
 ) -> float | None:
     """Mean cosine between the student's mean-pooled embedding of each window of ``factor * length``
     tokens of ``stream`` and the teacher's, which at ``factor > 1`` is the mean of its mean-pooled
     embeddings of the window's ``factor`` pieces of ``length`` tokens (it cannot read past ``length``).
+    With a ``frame`` (:func:`~hf_alibi.recover.data.special_frame`: ``[CLS] ... [SEP]``), every input
+    either model reads is framed: the student's window holds the text of the teacher's ``factor`` pieces.
     None when ``stream`` is shorter than one window.
 
     >>> embedding_cosine(student_bert, original_bert, held_out_ids, length=128, factor=4)
     0.97
     """
-    windows = _windows(stream, length * factor)
+    special = len(frame[0]) + len(frame[1])
+    piece = length - special  # the text of one of the teacher's inputs
+    windows = _windows(stream, piece * factor)
     if len(windows) == 0:
         return None
-    student_emb = mean_pooled(student, windows)
-    teacher_emb = mean_pooled(teacher, windows.reshape(-1, length)).view(len(windows), factor, -1).mean(1)
+    student_emb = mean_pooled(student, framed_blocks(windows.reshape(-1), piece * factor + special, frame))
+    teacher_emb = mean_pooled(teacher, framed_blocks(windows.reshape(-1), length, frame))
+    teacher_emb = teacher_emb.view(len(windows), factor, -1).mean(1)
     return F.cosine_similarity(student_emb, teacher_emb, dim=-1).mean().item()
 
 
@@ -95,6 +106,7 @@ def agreement(
     length: int,
     factors: Sequence[int] = (1, 2, 4, 8),
     kind: str | None = None,
+    frame: Frame = NO_FRAME,
 ) -> dict[str, Any]:
     """How close the student is to the teacher on the held-out token stream ``stream``.
 
@@ -102,7 +114,8 @@ def agreement(
     student's perplexity at ``factor * length`` (``ppl_<k>x``, non-overlapping windows).
     Encoders / seq2seq: ``cosine`` of mean-pooled embeddings at ``length``, and ``cosine_<k>x`` for the
     student at ``factor * length`` against the teacher's mean over the pieces. Lengths the stream is
-    too short for are left out.
+    too short for are left out. ``frame``: the special tokens around each encoder input
+    (:func:`embedding_cosine`).
 
     >>> agreement(student, teacher, held_out_ids, length=128)["kl"]
     0.012
@@ -124,7 +137,7 @@ def agreement(
                     result["ppl" if factor == 1 else f"ppl_{factor}x"] = ppl
         else:
             for factor in factors:
-                value = embedding_cosine(student, teacher, stream, length, factor)
+                value = embedding_cosine(student, teacher, stream, length, factor, frame)
                 if value is not None:
                     result["cosine" if factor == 1 else f"cosine_{factor}x"] = value
     finally:
