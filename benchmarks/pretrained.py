@@ -256,9 +256,11 @@ def measure(model, text: Text, args, bounds: list[int]) -> dict:
 
 @contextlib.contextmanager
 def conversion_options(options: dict):
-    """Give ``recover()`` this arm's patch_model options: as keywords where its signature takes them,
-    else by wrapping ``hf_alibi.patch_model`` (which recover calls) for the duration."""
+    """Give ``recover()`` this arm's patch_model options (no preset unless the arm names one, as ``patch_model``;
+    ``recover()`` itself defaults to the preset): as keywords where its signature takes them, else by wrapping
+    ``hf_alibi.patch_model`` (which recover calls) for the duration."""
     accepted = inspect.signature(recover).parameters
+    options = {"preset": None, **options}  # an arm without a preset is the paper's conversion plus its options
     direct = {k: v for k, v in options.items() if k in accepted}
     rest = {k: v for k, v in options.items() if k not in accepted}
     if not rest:
@@ -313,7 +315,7 @@ def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[tor
 # ---------------------------------------------------------------- main
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], digits: int = 2) -> str:
     columns = []
     for row in rows:
         columns += [c for c in row if c not in columns]
@@ -323,7 +325,8 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(
             "| "
             + " | ".join(
-                f"{v:.2f}" if isinstance(v, float) and c != "seconds" else str(v) for c, v in zip(columns, cells)
+                f"{v:.{digits}f}" if isinstance(v, float) and c != "seconds" else str(v)
+                for c, v in zip(columns, cells)
             )
             + " |"
         )

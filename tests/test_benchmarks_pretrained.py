@@ -103,4 +103,14 @@ def test_quick_run_rows_and_token_counts():
     windows = (512 // 32) * 32 + (512 // 64) * 64 + (512 // 128) * 128
     assert all(r["tokens"] == windows + 256 for r in rows)  # + the by-position stream
     assert rows[-1]["recover_tokens"] == 2 * 2 * 32
+    assert rows[-1]["recover_lr"] == 2e-4  # an arm without a preset recovers as the paper's conversion (its rate)
     assert list(rows[0])[:4] == ["arm", "ppl@32", "ppl@64", "ppl@128"]
+
+
+def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
+    with bench.conversion_options({"sinks": 1}) as direct:
+        assert direct == {"preset": None}  # recover() would default to the preset
+        assert hf_alibi.patch_model.keywords == {"sinks": 1}
+    assert not hasattr(hf_alibi.patch_model, "keywords")
+    with bench.conversion_options({"preset": "pretrained"}) as direct:
+        assert direct == {"preset": "pretrained"}
