@@ -11,6 +11,7 @@ from .core.config import AlibiSettings, get_settings, is_alibi_config
 from .core.dispatch import register_backends
 from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
+from .fit import fit_slopes
 from .patch import is_alibi_model, patch_model
 from .registry import (
     ARCHITECTURES,
@@ -30,6 +31,7 @@ __all__ = [
     "Architecture",
     "__version__",
     "alibi_bias",
+    "fit_slopes",
     "get_architecture",
     "get_settings",
     "get_slopes",

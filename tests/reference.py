@@ -69,7 +69,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor, bias: torch.Tensor | N
     """Logits of a converted GPT-2 computed by hand: no wpe, attention with -m|i-j| (float64 attention).
 
     Uses the model's LayerNorms, projections and MLPs as plain functions; the attention and the
-    absence of position embeddings are what is checked.
+    absence of position embeddings are what is checked. ``bias``: one for every layer, or a list (per layer).
     """
     base = model.base_model
     n_head = model.config.n_head
@@ -79,6 +79,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor, bias: torch.Tensor | N
     head_dim = width // n_head
     bias = explicit_bias("causal", slopes, length, length) if bias is None else bias
     for layer_idx, block in enumerate(base.h):
+        layer_bias_ = bias[layer_idx] if isinstance(bias, (list, tuple)) else bias  # one per layer, or one for all
         attn = block.attn
         x = block.ln_1(hidden)
         q, k, v = attn.c_attn(x).split(width, dim=2)
@@ -86,7 +87,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor, bias: torch.Tensor | N
         scaling = head_dim**-0.5 if model.config.scale_attn_weights else 1.0
         if model.config.scale_attn_by_inverse_layer_idx:
             scaling /= float(layer_idx + 1)
-        out = torch.nan_to_num(reference_attention(q, k, v, bias, scaling, key_padding)).to(hidden.dtype)
+        out = torch.nan_to_num(reference_attention(q, k, v, layer_bias_, scaling, key_padding)).to(hidden.dtype)
         out = out.transpose(1, 2).reshape(batch, length, width)
         hidden = hidden + attn.c_proj(out)
         hidden = hidden + block.mlp(block.ln_2(hidden))

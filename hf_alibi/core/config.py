@@ -104,9 +104,12 @@ class AlibiSettings:
         },
     )
     slope_scale: float = field(default=1.0, metadata={"help": "Multiplies the paper's slopes (1.0: the paper)."})
-    slopes: list[float] | None = field(
+    slopes: list[float] | list[list[float]] | None = field(
         default=None,
-        metadata={"help": "Explicit per-head slopes (one per head, positive), instead of the paper's x slope_scale."},
+        metadata={
+            "help": "Explicit slopes (positive) instead of the paper's x slope_scale: one per head for every layer, "
+            "or one such list per self-attention layer, in the model's order (hf_alibi.fit_slopes)."
+        },
     )
     position_mean: int = field(
         default=0,
@@ -128,7 +131,7 @@ class AlibiSettings:
             self.position_mean,
         )  # fmt: skip
         if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
-            object.__setattr__(self, "slopes", [float(s) for s in self.slopes])
+            object.__setattr__(self, "slopes", _as_floats(self.slopes))
 
     def to_dict(self) -> dict[str, Any]:
         return dict(sorted(dataclasses.asdict(self).items()))
@@ -140,6 +143,17 @@ class AlibiSettings:
         if unknown:
             raise ValueError(f"Unknown ALiBi settings {sorted(unknown)} in config.alibi; known: {sorted(known)}.")
         return cls(**data)
+
+
+def _as_floats(slopes):
+    if is_per_layer(slopes):
+        return [[float(s) for s in layer] for layer in slopes]
+    return [float(s) for s in slopes]
+
+
+def is_per_layer(slopes) -> bool:
+    """Whether ``slopes`` holds one list per layer (else one slope per head for every layer)."""
+    return bool(slopes) and isinstance(slopes, (list, tuple)) and isinstance(slopes[0], (list, tuple))
 
 
 def _is_number(value) -> bool:
@@ -170,11 +184,18 @@ def check_pretrained_options(
             f"slope_scale must be a finite number > 0 (it multiplies the paper's slopes), got {slope_scale!r}."
         )
     if slopes is not None:
-        if isinstance(slopes, (str, bytes)) or not hasattr(slopes, "__len__") or len(slopes) != heads:
-            count = len(slopes) if hasattr(slopes, "__len__") else type(slopes).__name__
-            raise ValueError(f"slopes must list one slope per head: {heads} numbers, got {count}.")
-        if not all(_is_number(s) and s > 0 for s in slopes):
-            raise ValueError(f"slopes must be finite numbers > 0 (the bias is -slope * distance), got {list(slopes)}.")
+        for index, layer in enumerate(slopes if is_per_layer(slopes) else [slopes]):
+            where = f" (layer {index})" if is_per_layer(slopes) else ""
+            if isinstance(layer, (str, bytes)) or not hasattr(layer, "__len__") or len(layer) != heads:
+                count = len(layer) if hasattr(layer, "__len__") else type(layer).__name__
+                raise ValueError(
+                    f"slopes must list one slope per head{where}: {heads} numbers, got {count} (or one such list "
+                    "per layer)."
+                )
+            if not all(_is_number(s) and s > 0 for s in layer):
+                raise ValueError(
+                    f"slopes must be finite numbers > 0 (the bias is -slope * distance){where}, got {list(layer)}."
+                )
         if slope_scale != 1.0:
             raise ValueError("Pass either slopes or slope_scale, not both (scale the slopes you pass instead).")
     if not isinstance(position_mean, int) or isinstance(position_mean, bool) or position_mean < 0:

@@ -77,7 +77,8 @@ class MaskCache:
     def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         dtype, device, q_len = query.dtype, query.device, query.shape[2]
         # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
-        key = (alibi.kind, alibi.num_heads, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
+        # the slopes too: layers share a mask only where they share slopes (per-layer slopes build one each)
+        key = (alibi.kind, alibi.slope_values, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
         thread = threading.get_ident()
         entries = self._entries.get(thread, [])
         for entry in entries:

@@ -14,7 +14,15 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .architectures import Architecture, check_strategy, find_architecture
 from .bias import AlibiBias
 from .compat import register_recorded_outputs
-from .config import AlibiConfigMixin, AlibiSettings, alibi_config_class, alibi_config_copy, get_settings, rebind_config
+from .config import (
+    AlibiConfigMixin,
+    AlibiSettings,
+    alibi_config_class,
+    alibi_config_copy,
+    get_settings,
+    is_per_layer,
+    rebind_config,
+)
 from .mask import MaskCache
 from .slopes import CAUSAL, scaled_slopes_list
 from .strategies import STRATEGIES, find_modules, rotary
@@ -40,18 +48,20 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     position ids are dropped, and the layers share one mask cache for the length of a forward."""
     check_strategy(row)
     check_sinks_fit(model.config, settings)
+    check_slopes_fit(model, settings, row)
     base = model.base_model
+    attentions = self_attentions(base, row)
     if settings.rotary_max_wavelength is not None:  # validated: a rotary row
         rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
     else:
         STRATEGIES[row.strategy](base, row.position)
     masks = MaskCache()
     slopes = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
-    for path in row.attention:
-        for _, _, attention in find_modules(base, path):
-            causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
-            kind = CAUSAL if causal else settings.encoder_variant
-            attention.alibi = AlibiBias(kind, settings.heads, masks=masks, slopes=slopes, sinks=settings.sinks)
+    per_layer = slopes if is_per_layer(slopes) else [slopes] * len(attentions)
+    for attention, layer_slopes in zip(attentions, per_layer):
+        causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
+        kind = CAUSAL if causal else settings.encoder_variant
+        attention.alibi = AlibiBias(kind, settings.heads, masks=masks, slopes=layer_slopes, sinks=settings.sinks)
     _alibi_sub_configs(model)
     # On the base model and on the model itself: some task heads run the base's inner stack directly
     # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
@@ -60,6 +70,23 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
         if settings.sinks:
             module.register_forward_pre_hook(partial(_record_rows, masks), with_kwargs=True)
         module.register_forward_hook(masks.release)  # the shared masks live for one forward only
+
+
+def self_attentions(base: nn.Module, row: Architecture) -> list[nn.Module]:
+    """Every self-attention module of the row's ``attention`` paths under ``base``, in the model's order
+    (the order of per-layer slopes)."""
+    return [attention for path in row.attention for _, _, attention in find_modules(base, path)]
+
+
+def check_slopes_fit(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) -> None:
+    """One-line ``ValueError`` when per-layer slopes do not list one entry per self-attention layer."""
+    if is_per_layer(settings.slopes):
+        count = len(self_attentions(model.base_model, row))
+        if len(settings.slopes) != count:
+            raise ValueError(
+                f"slopes lists {len(settings.slopes)} layers, but this {settings.base_model_type} model has {count} "
+                f"self-attention layers: give one list of {settings.heads} slopes per layer, or one list for all."
+            )
 
 
 def sinks_fit(config: PretrainedConfig) -> bool:

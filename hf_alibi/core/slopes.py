@@ -98,14 +98,15 @@ def sink_keys(
     return ((key_pos >= starts) & (key_pos < starts + sinks))[:, None, None, :]
 
 
-def scaled_slopes_list(n_heads: int, slope_scale: float = 1.0, slopes: list[float] | None = None) -> list[float]:
-    """The slopes a converted model uses: ``slopes`` where given, else the paper's times ``slope_scale``.
+def scaled_slopes_list(n_heads: int, slope_scale: float = 1.0, slopes: list | None = None) -> list:
+    """The slopes a converted model uses: ``slopes`` where given (one per head, or one list per layer),
+    else the paper's times ``slope_scale``.
 
     >>> scaled_slopes_list(2, 0.5)
     [0.03125, 0.001953125]
     """
     if slopes is not None:
-        return [float(s) for s in slopes]
+        return [scaled_slopes_list(n_heads, 1.0, s) if isinstance(s, (list, tuple)) else float(s) for s in slopes]
     return [s * slope_scale for s in get_slopes_list(n_heads)]
 
 

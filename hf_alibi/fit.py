@@ -1,0 +1,101 @@
+"""Slopes that fit a pretrained model: per layer and head, from how far the original's heads look on text.
+
+A pretrained model's heads differ: some read the previous few tokens, others look hundreds back. The paper's
+geometric slopes (or a uniform scale of them) give every layer the same penalties. :func:`fit_slopes` runs the
+ORIGINAL model (before conversion) on the user's text with eager attention, measures each head's mean attention
+distance ``D`` (the attention-weighted ``|i - j|`` over the keys that are not sinks, averaged over queries), and
+gives it the slope ``scale / D``: a head that looked far gets a small penalty, a local head a steep one. The
+lists go to ``patch_model(model, slopes=...)`` (one list per layer) and are saved in ``config.alibi``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from .core.architectures import find_architecture
+from .core.modeling import self_attentions
+
+DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/pretrained.md)
+
+
+@torch.no_grad()
+def fit_slopes(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    scale: float = DEFAULT_SCALE,
+    sinks: int = 1,
+    skip: int | None = None,
+) -> list[list[float]]:
+    """Per-layer, per-head ALiBi slopes ``scale / D`` from the original ``model``'s attention on ``input_ids``.
+
+    Args:
+        model: the original model (not converted): a decoder-only or encoder row of the registry. It runs once
+            with eager attention (its attention implementation is given back afterwards); its weights are
+            untouched. The attention maps of every layer are held at once: about
+            ``layers x heads x T^2 x 4`` bytes for ``T`` tokens (1024 tokens: 1.1 GB for SmolLM2-135M).
+        input_ids: ``(T,)`` or ``(B, T)`` token ids of the user's text, no padding; ``T`` at most the model's
+            trained length (a few hundred to a thousand tokens is enough).
+        scale: the slope of a head whose mean distance is ``D`` tokens is ``scale / max(D, 1)``.
+        sinks: the first keys of each sequence left out of the distances (use the ``sinks`` you convert with).
+        skip: queries before this position are left out (decoders: their short past shortens every distance);
+            default ``T // 16`` for decoders, 0 for encoders.
+
+    Returns:
+        One list of ``heads`` slopes per self-attention layer, in the model's order:
+        ``patch_model(model, preset="pretrained", slopes=fit_slopes(model, ids))``.
+
+    Raises:
+        ValueError: a converted model, an encoder-decoder or unregistered architecture, or bad arguments.
+    """
+    from .patch import is_alibi_model
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"fit_slopes expects a transformers PreTrainedModel, got {type(model).__name__}.")
+    if is_alibi_model(model):
+        raise ValueError("fit_slopes measures the ORIGINAL model's attention: pass the model before patch_model.")
+    config = model.config
+    row = find_architecture(config.model_type)
+    if row is None or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"fit_slopes supports the registered decoder-only and encoder models, not {config.model_type!r}: "
+            "use slope_scale instead."
+        )
+    if not (isinstance(scale, (int, float)) and scale > 0) or not (isinstance(sinks, int) and sinks >= 0):
+        raise ValueError(f"scale must be > 0 and sinks an integer >= 0, got scale={scale!r}, sinks={sinks!r}.")
+    ids = torch.as_tensor(input_ids).long()
+    ids = ids[None] if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[1] <= sinks + 1:
+        raise ValueError(f"input_ids must be (T,) or (B, T) with T > sinks + 1 tokens, got shape {tuple(ids.shape)}.")
+    bidirectional = row.bidirectional and not getattr(config, "is_decoder", False)
+    length = ids.shape[1]
+    skip = (0 if bidirectional else length // 16) if skip is None else skip
+    if not 0 <= skip < length:
+        raise ValueError(f"skip must be between 0 and the {length} tokens given, got {skip}.")
+
+    previous = config._attn_implementation
+    was_training = model.training
+    model.set_attn_implementation("eager")
+    try:
+        device = next(model.parameters()).device
+        attentions = model.eval()(input_ids=ids.to(device), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+        model.train(was_training)
+    expected = len(self_attentions(model.base_model, row))
+    if attentions is None or len(attentions) != expected:
+        got = 0 if attentions is None else len(attentions)
+        raise ValueError(
+            f"{config.model_type}: the model gave {got} attention maps for its {expected} self-attention layers; "
+            "fit_slopes cannot match them. Use slope_scale instead."
+        )
+    positions = torch.arange(length, device=device)
+    distance = (positions[:, None] - positions[None]).abs().float()  # (T, T): |i - j|
+    slopes = []
+    for weights in attentions:  # (B, H, T, T)
+        weights = weights.float()[..., skip:, sinks:]
+        kept = weights.sum(-1).clamp(min=1e-12)
+        mean = ((weights * distance[skip:, sinks:]).sum(-1) / kept).mean(dim=(0, 2))  # (H,)
+        slopes.append([scale / max(d, 1.0) for d in mean.tolist()])
+    return slopes
