@@ -12,7 +12,9 @@ steps), on the checkpoint folder's own text:
 - the tokens each arm processed and its wall-clock.
 
 Conversion arms: ``paper`` (``hf_alibi.patch_model(m)``), ``pretrained`` (``preset="pretrained"``) and any
-``--arm "sinks=1,slope_scale=0.03"`` (patch_model's keyword options; ``preset=pretrained`` allowed).
+``--arm "sinks=1,slope_scale=0.03"`` (patch_model's keyword options; ``preset=pretrained`` allowed; ``fit=0.1``:
+slopes fitted per layer and head by ``hf_alibi.fit_slopes`` with that scale, on ``--fit_tokens`` of the text after
+the evaluated tokens).
 
     PYTHONPATH=. python benchmarks/pretrained.py --model /work/models/smollm2 --text /work/models/prose.txt
     PYTHONPATH=. python benchmarks/pretrained.py --arms original yarn:2 pretrained --arm slope_scale=0.01 \
@@ -83,19 +85,33 @@ def parse_arm(text: str) -> Arm:
         key = key.strip()
         if key == "sinks":
             options[key] = int(value)
-        elif key in FLOAT_OPTIONS:
+        elif key in FLOAT_OPTIONS or key == "fit":
             options[key] = float(value)
         elif key == "preset":
             options[key] = value.strip()
         else:
             raise SystemExit(
                 f"--arm {text!r}: unknown option {key!r}; use original, yarn:F, paper, pretrained or "
-                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset."
+                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset, fit (fit_slopes' scale)."
             )
     return Arm(text, "alibi", options)
 
 
 # ---------------------------------------------------------------- models and text
+
+
+def fit_arm(folder: str, arm: Arm, native: int, ids: torch.Tensor) -> Arm:
+    """An arm with ``fit=SCALE``: its slopes fitted per layer and head on ``ids`` by the original
+    (``hf_alibi.fit_slopes``), once, given to the conversion as ``slopes``."""
+    if "fit" not in arm.options:
+        return arm
+    options = dict(arm.options)
+    scale = options.pop("fit")
+    sinks = options.get("sinks", 1 if options.get("preset") else 0)
+    original = load(folder, Arm("original", "original"), native)
+    options["slopes"] = hf_alibi.fit_slopes(original, ids, scale=scale, sinks=sinks)
+    options.pop("slope_scale", None)
+    return Arm(arm.name, arm.kind, options)
 
 
 def rope_theta(config) -> float:
@@ -351,6 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=1024, help="queries per forward in the by-position stream")
     p.add_argument("--passkey_lengths", type=int, nargs="*", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--fit_tokens", type=int, default=1024, help="text tokens fit=SCALE arms fit their slopes on")
     p.add_argument("--recover_steps", type=int, default=0, help="N recovery steps per conversion (0: none)")
     p.add_argument("--recovered_only", action="store_true", help="measure conversions only after recovery")
     p.add_argument("--recover_batch", type=int, default=2)
@@ -361,7 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="append each row as one JSON line to this file")
     args = p.parse_args(argv)
     if args.quick:  # small settings, where the command line left the default
-        quick = {"lengths": [32, 64, 128], "eval_tokens": 512, "position_tokens": 256, "chunk": 48}
+        quick = {"lengths": [32, 64, 128], "eval_tokens": 512, "position_tokens": 256, "chunk": 48, "fit_tokens": 64}
         quick.update(passkey_lengths=[128, 256], recover_steps=2, recover_batch=2, recover_length=32)
         for name, value in quick.items():
             if getattr(args, name) == p.get_default(name):
@@ -393,6 +410,8 @@ def main(argv=None) -> list[dict]:
         f"{args.recover_length}; torch threads {torch.get_num_threads()}",
         flush=True,
     )
+    fit_ids = text.ids[need : need + args.fit_tokens]  # after the evaluated tokens, like the recovery text
+    arms = [fit_arm(folder, arm, native, fit_ids) for arm in arms]
     rows, total = [], time.perf_counter()
     for arm in arms:
         if not (args.recovered_only and arm.kind == "alibi"):

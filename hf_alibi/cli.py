@@ -3,6 +3,7 @@
     hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
                              [--preset pretrained] [--sinks N] [--rotary-max-wavelength X]
                              [--slope-scale S] [--slopes a,b,...] [--position-mean N]
+                             [--fit-slopes TEXT_FILE [--fit-scale C] [--fit-tokens T]]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
     hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
     hf-alibi info PATH [--json]
@@ -45,6 +46,9 @@ def convert(
     heads: int | None = None,
     encoder_variant: str | None = None,
     overwrite: bool = False,
+    fit_file: str | os.PathLike | None = None,
+    fit_scale: float | None = None,
+    fit_tokens: int = 1024,
     **options,
 ) -> Path:
     """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
@@ -54,6 +58,9 @@ def convert(
     before the model is loaded. The folder is written next to ``out`` first and moved in place at the end, so a failure
     leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
     It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
+
+    ``fit_file``: a text file; the slopes are fitted per layer and head on its first ``fit_tokens`` tokens by
+    the original (:func:`hf_alibi.fit_slopes`, ``scale`` ``fit_scale``) and given to ``patch_model`` as ``slopes``.
 
     >>> convert("my-gpt2", "gpt2-alibi", preset="pretrained")  # doctest: +SKIP
     """
@@ -72,29 +79,38 @@ def convert(
     except Exception as error:
         raise CliError(f"SRC {src!r} has a config.json transformers cannot build a config from: {error}") from error
     try:
-        settings_for(config, heads, encoder_variant, **options)
+        settings = settings_for(config, heads, encoder_variant, **options)
     except ValueError as error:
         raise CliError(str(error)) from error
+    fit_text = _fit_text(fit_file, fit_scale, fit_tokens, options)
+    src_has_tokenizer = has_tokenizer(src)
+    if fit_text is not None and src_has_tokenizer is False:
+        raise CliError(f"--fit-slopes tokenizes the text with SRC's tokenizer, but SRC {src!r} has none.")
     with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
         try:
             model = model_cls.from_pretrained(src)
         except Exception as error:
             raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
-        try:
-            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
-        except ValueError as error:
-            raise CliError(str(error)) from error
-
         tokenizer = None
-        src_has_tokenizer = has_tokenizer(src)
         if src_has_tokenizer is not False:
             from transformers import AutoTokenizer
 
             try:
                 tokenizer = AutoTokenizer.from_pretrained(src)
             except Exception as error:
-                if src_has_tokenizer:
+                if src_has_tokenizer or fit_text is not None:
                     raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
+        if fit_text is not None:
+            ids = tokenizer(fit_text, truncation=True, max_length=fit_tokens, return_tensors="pt")["input_ids"]
+            try:
+                scale = {} if fit_scale is None else {"scale": fit_scale}
+                options["slopes"] = hf_alibi.fit_slopes(model, ids, sinks=settings.sinks, **scale)
+            except ValueError as error:
+                raise CliError(str(error)) from error
+        try:
+            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
+        except ValueError as error:
+            raise CliError(str(error)) from error
         write_converted(staging, model, src, tokenizer)
     return out
 
@@ -171,6 +187,28 @@ def learned_slopes(path: str | os.PathLike) -> dict[str, dict[str, list[float]]]
     }
 
 
+def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None:
+    """The text of ``--fit-slopes`` (None without it), every flag checked before anything loads."""
+    if fit_file is None:
+        if fit_scale is not None:
+            raise CliError("--fit-scale applies to --fit-slopes only: pass --fit-slopes TEXT_FILE too.")
+        return None
+    if options.get("slopes") is not None or options.get("slope_scale") is not None:
+        raise CliError("--fit-slopes computes the slopes: drop --slopes and --slope-scale.")
+    if fit_scale is not None and not fit_scale > 0:
+        raise CliError(f"--fit-scale must be > 0 (the slope of a head is C / its mean distance), got {fit_scale}.")
+    if fit_tokens < 2:
+        raise CliError(f"--fit-tokens must be at least 2, got {fit_tokens}.")
+    path = Path(fit_file).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CliError(f"--fit-slopes {str(path)!r} could not be read as UTF-8 text ({error}).") from error
+    if not text.strip():
+        raise CliError(f"--fit-slopes {str(path)!r} holds no text. Pass text like the model's inputs.")
+    return text
+
+
 def _print_info(info: dict) -> None:
     if info["is_alibi"]:
         print(
@@ -178,7 +216,7 @@ def _print_info(info: dict) -> None:
         )
         print(f"  heads: {info['heads']}")
         print(f"  encoder variant: {info['encoder_variant'] or 'none (causal self-attention only)'}")
-        fixed = ", ".join(f"{s:.6g}" for s in info["slopes"])
+        fixed = _slopes_text(info["slopes"])
         if info["encoder_variant"] == "learned":
             if info.get("learned_slopes") is None:
                 print("  learned slopes: in the weights (download the checkpoint and run info on its folder)")
@@ -201,6 +239,14 @@ def _print_info(info: dict) -> None:
         )
     if "tokenizer" in info:
         print(f"  tokenizer: {'yes' if info['tokenizer'] else 'no'}")
+
+
+def _slopes_text(slopes: list) -> str:
+    """``a, b, ...``; per-layer slopes as their count and range (the whole list is in --json)."""
+    if slopes and isinstance(slopes[0], list):
+        flat = [s for layer in slopes for s in layer]
+        return f"per layer ({len(slopes)} layers x {len(slopes[0])} heads), from {min(flat):.6g} to {max(flat):.6g}"
+    return ", ".join(f"{s:.6g}" for s in slopes)
 
 
 def _options_line(info: dict) -> str:
@@ -268,6 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--position-mean", type=int, default=None, help="learned tables: fold the mean of the first N rows in"
     )
+    conv.add_argument(
+        "--fit-slopes", metavar="TEXT_FILE", dest="fit_file", default=None,
+        help="fit the slopes per layer and head on this text (hf_alibi.fit_slopes; instead of --slopes)",
+    )  # fmt: skip
+    conv.add_argument(
+        "--fit-scale",
+        type=float,
+        default=None,
+        help="--fit-slopes: C in C / mean distance (default: fit_slopes')",
+    )
+    conv.add_argument("--fit-tokens", type=int, default=1024, help="--fit-slopes: tokens of the text used")
     conv.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     conv.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="then upload OUT to this Hub repo")
     conv.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -349,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             _check_push_arguments(args)
             options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
-            out = convert(args.src, args.out, args.heads, args.encoder_variant, args.overwrite, **options)
+            out = convert(
+                args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=args.fit_file,
+                fit_scale=args.fit_scale, fit_tokens=args.fit_tokens, **options,
+            )  # fmt: skip
             print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
             if args.push_to_hub:
                 from hf_alibi.hub import push_folder

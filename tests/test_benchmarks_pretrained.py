@@ -88,6 +88,16 @@ def test_arms_parse_and_bad_options_say_what_to_use():
     assert (arm.kind, arm.options) == ("alibi", {"preset": "pretrained", "sinks": 1, "slope_scale": 0.03})
     with pytest.raises(SystemExit, match="unknown option 'slope'"):
         bench.parse_arm("slope=0.1")
+    assert bench.parse_arm("preset=pretrained,fit=0.1").options == {"preset": "pretrained", "fit": 0.1}
+
+
+def test_a_fit_arm_gets_the_originals_fitted_slopes(tmp_path):
+    _llama().save_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    arm = bench.fit_arm(str(tmp_path), bench.parse_arm("preset=pretrained,fit=0.3"), 32, ids)
+    expected = hf_alibi.fit_slopes(_llama(), ids, scale=0.3, sinks=1)  # the preset's one sink
+    assert arm.options == {"preset": "pretrained", "slopes": expected}
+    assert bench.fit_arm(str(tmp_path), bench.parse_arm("paper"), 32, ids).options == {}
 
 
 def test_quick_run_rows_and_token_counts():

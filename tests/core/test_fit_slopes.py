@@ -143,3 +143,55 @@ def test_fit_slopes_refuses_what_it_cannot_fit():
         hf_alibi.fit_slopes(tiny_llama(), random_ids(1, 2))
     with pytest.raises(ValueError, match="scale must be > 0"):
         hf_alibi.fit_slopes(tiny_llama(), random_ids(1, 16), scale=0)
+
+
+# ------------------------------------------------------------------------------------------------ hf-alibi convert
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    from sharing import make_tokenizer
+
+    src = tmp_path / "llama"
+    tiny_llama().save_pretrained(src)
+    make_tokenizer(src)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 90 + 1}" for i in range(300)))
+    return src, text
+
+
+def test_cli_convert_fits_the_slopes_on_the_text(llama_folder, tmp_path, capsys):
+    from sharing import run_cli
+    from transformers import AutoTokenizer
+
+    src, text = llama_folder
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        "convert", src, out, "--preset", "pretrained", "--fit-slopes", text, "--fit-tokens", 40, capsys=capsys
+    )
+    assert code == 0, err
+    ids = AutoTokenizer.from_pretrained(src)(text.read_text(), return_tensors="pt")["input_ids"][:, :40]
+    expected = hf_alibi.fit_slopes(transformers.AutoModelForCausalLM.from_pretrained(src), ids, sinks=1)
+    saved = json.loads((out / "config.json").read_text())["alibi"]
+    assert saved["slopes"] == expected and saved["slope_scale"] == 1.0 and saved["sinks"] == 1
+    code, stdout, _ = run_cli("info", out, capsys=capsys)
+    assert code == 0 and "slopes: per layer (2 layers x 4 heads), from " in stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fit-scale", "0.2"], "--fit-scale applies to --fit-slopes only"),
+        (["--fit-slopes", "TEXT", "--slope-scale", "0.1"], "--fit-slopes computes the slopes: drop --slopes"),
+        (["--fit-slopes", "TEXT", "--fit-scale", "-1"], "--fit-scale must be > 0"),
+        (["--fit-slopes", "MISSING"], "could not be read as UTF-8 text"),
+    ],
+)
+def test_cli_fit_slopes_bad_flags_write_nothing(llama_folder, tmp_path, capsys, extra, message):
+    from sharing import run_cli
+
+    src, text = llama_folder
+    extra = [str(text) if a == "TEXT" else str(tmp_path / "missing.txt") if a == "MISSING" else a for a in extra]
+    code, _, err = run_cli("convert", src, tmp_path / "out", *extra, capsys=capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
