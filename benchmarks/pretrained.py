@@ -276,7 +276,9 @@ def conversion_options(options: dict):
     ``recover()`` itself defaults to the preset): as keywords where its signature takes them, else by wrapping
     ``hf_alibi.patch_model`` (which recover calls) for the duration."""
     accepted = inspect.signature(recover).parameters
-    options = {"preset": None, **options}  # an arm without a preset is the paper's conversion plus its options
+    # an arm without a preset is the paper's conversion plus its options; recover() fits no slopes of its own
+    # (a fit=SCALE arm brings its fitted slopes): the arm recovered is the arm measured
+    options = {"preset": None, "fit_slopes": False, **options}
     direct = {k: v for k, v in options.items() if k in accepted}
     rest = {k: v for k, v in options.items() if k not in accepted}
     if not rest:

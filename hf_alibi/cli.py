@@ -365,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--preset", default="pretrained", help="conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"
     )
+    rec.add_argument(
+        "--fit-slopes", "--fit_slopes", action=argparse.BooleanOptionalAction, default=None,
+        help="slopes fitted per layer and head by SRC on the training text (default: with a preset)",
+    )  # fmt: skip
     rec.add_argument("--lora-rank", "--lora_rank", type=int, default=0, help="LoRA rank (0: train every weight)")
     rec.add_argument(
         "--max-eval-length", "--max_eval_length", type=int, default=2048, help="longest agreement length (tokens)"
@@ -426,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                 temperature=args.temperature, hidden_layers=args.hidden_layers, heads=args.heads,
                 encoder_variant=args.encoder_variant, warm_start_steps=args.warm_start_steps,
                 attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
-                preset=args.preset, lora_rank=args.lora_rank, max_eval_length=args.max_eval_length,
-                save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
+                preset=args.preset, fit_slopes=args.fit_slopes, lora_rank=args.lora_rank,
+                max_eval_length=args.max_eval_length, save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
                 resume_from_checkpoint=args.resume_from_checkpoint,
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")

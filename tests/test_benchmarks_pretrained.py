@@ -119,8 +119,8 @@ def test_quick_run_rows_and_token_counts():
 
 def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
     with bench.conversion_options({"sinks": 1}) as direct:
-        assert direct == {"preset": None}  # recover() would default to the preset
+        assert direct == {"preset": None, "fit_slopes": False}  # recover() would default to the preset
         assert hf_alibi.patch_model.keywords == {"sinks": 1}
     assert not hasattr(hf_alibi.patch_model, "keywords")
     with bench.conversion_options({"preset": "pretrained"}) as direct:
-        assert direct == {"preset": "pretrained"}
+        assert direct == {"preset": "pretrained", "fit_slopes": False}

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, de
 import hf_alibi
 
 from ..core.compat import name_or_path
+from ..patch import settings_for
 from .data import NO_FRAME, Blocks, as_stream, framed_blocks, mlm_collator, special_frame
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
 from .lora import add_lora, merge_lora
@@ -71,6 +72,7 @@ def recover(
     warm_start_steps: int = 0,
     attention_only_steps: int = 0,
     preset: str | None = "pretrained",
+    fit_slopes: bool | None = None,
     lora_rank: int = 0,
     eval_texts: Sequence[str] | torch.Tensor | None = None,
     eval_fraction: float = 0.05,
@@ -107,6 +109,9 @@ def recover(
         heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
             ``"pretrained"`` (its values live in :data:`hf_alibi.patch.PRESETS`); ``"paper"`` or None: the
             paper's method.
+        fit_slopes: give the conversion slopes fitted per layer and head by the teacher on the first
+            ``min(original maximum, 1024)`` training tokens (:func:`hf_alibi.fit_slopes`) instead of the preset's
+            uniform scale. Default: with a preset, on the models it can fit (decoder-only and encoders).
         lora_rank: 0 trains every weight; ``R > 0`` trains LoRA adapters of rank R on the attention and MLP
             projections only, merged into the weights at the end (the student is a normal converted model).
         warm_start_steps, attention_only_steps: the levers (module docstring).
@@ -184,8 +189,9 @@ def recover(
     teacher = model
     was_training = teacher.training
     requires_grad = [p.requires_grad for p in teacher.parameters()]
+    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant)
     student = copy.deepcopy(teacher).requires_grad_(True)
-    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset)
+    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, slopes=slopes)
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
@@ -271,6 +277,7 @@ def recover(
         "epochs": round(epochs, 3),
         "learning_rate": learning_rate,
         "preset": preset or "paper",
+        "slopes": "fitted per layer and head (hf_alibi.fit_slopes)" if slopes is not None else "the preset's",
         "lora_rank": lora_rank,
         "eval_lengths": [f * length for f in eval_factors],
         "warm_start_steps": warm_start_steps,
@@ -280,6 +287,28 @@ def recover(
         "train_seconds": round(seconds, 1),
     }
     return RecoveryResult(student=student, history=history, info=info)
+
+
+FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (all layers' maps held at once)
+
+
+def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) -> list[list[float]] | None:
+    """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the preset's)."""
+    can_fit = not getattr(teacher.config, "is_encoder_decoder", False)
+    if fit is None:
+        fit = preset is not None and can_fit
+    if not fit:
+        return None
+    if preset is None:
+        raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
+    if not can_fit:
+        raise ValueError(f"fit_slopes supports decoder-only and encoder models, not {teacher.config.model_type}.")
+    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset)
+    length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
+    ids = framed_blocks(stream[: length - len(frame[0]) - len(frame[1])], length, frame)
+    if len(ids) == 0:  # less text than that: the whole training stream, framed
+        ids = framed_blocks(stream, stream.numel() + len(frame[0]) + len(frame[1]), frame)
+    return hf_alibi.fit_slopes(teacher, ids, sinks=settings.sinks)
 
 
 def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:

@@ -18,6 +18,7 @@ def recovery_card_section(result: RecoveryResult) -> str:
         ("tokens seen", f"{info['tokens']} ({info['epochs']} epochs of {info['train_tokens_available']})"),
         ("learning rate", info["learning_rate"]),
         ("conversion preset", info.get("preset", "paper")),
+        ("slopes", info.get("slopes", "the preset's")),
         ("trained weights", f"LoRA rank {info['lora_rank']}, merged" if info.get("lora_rank") else "all"),
         ("warm start / attention-only steps", f"{info['warm_start_steps']} / {info['attention_only_steps']}"),
         ("held-out tokens", info["eval_tokens"]),

@@ -43,7 +43,12 @@ def test_preset_pretrained_is_the_default_and_paper_the_old_behaviour():
     teacher, stream = tiny_gpt2(), random_ids(1, 800, seed=4).reshape(-1)
     default = run(teacher, stream, max_steps=1)
     settings = hf_alibi.get_settings(default.student.config)
-    assert (settings.sinks, settings.slope_scale) == (1, 0.01) and default.info["preset"] == "pretrained"
+    assert settings.sinks == 1 and default.info["preset"] == "pretrained"
+    # the slopes: fitted by the teacher on the first training tokens (its 16 positions), per layer and head
+    assert settings.slopes == hf_alibi.fit_slopes(teacher, stream[:16], sinks=1) and settings.slope_scale == 1.0
+    assert default.info["slopes"].startswith("fitted per layer and head")
+    uniform = hf_alibi.get_settings(run(teacher, stream, max_steps=1, fit_slopes=False).student.config)
+    assert (uniform.sinks, uniform.slope_scale, uniform.slopes) == (1, 0.01, None)
     paper = hf_alibi.get_settings(run(teacher, stream, max_steps=1, preset="paper").student.config)
     assert (paper.sinks, paper.slope_scale) == (0, 1.0)
     assert hf_alibi.get_settings(run(teacher, stream, max_steps=1, preset=None).student.config).sinks == 0
