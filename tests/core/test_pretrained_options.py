@@ -281,6 +281,7 @@ import json, sys, torch, transformers
 expected = torch.load("expected.pt")
 model = transformers.AutoModelForCausalLM.from_pretrained(".", trust_remote_code=True).eval()
 report = {"hf_alibi": "hf_alibi" in sys.modules, "rotary": type(model.model.rotary_emb).__name__}
+report["slopes"] = model.config.alibi["slopes"]
 for backend in ("sdpa", "eager"):
     model.set_attn_implementation(backend)
     with torch.no_grad():
@@ -301,7 +302,9 @@ print(json.dumps(report))
 def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
     from sharing import last_json_line, run_child
 
-    model = hf_alibi.patch_model(make("llama"), preset="pretrained")
+    # the Llama with slopes fitted per layer and head (the BERT below keeps the preset's uniform scale)
+    fitted = hf_alibi.fit_slopes(make("llama"), random_ids(1, 16))
+    model = hf_alibi.patch_model(make("llama"), preset="pretrained", slopes=fitted)
     ids, mask = left_padded()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
@@ -325,6 +328,7 @@ def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
     assert report["hf_alibi"] is False and report["rotary"] == "RetainedRotary", report
     assert report["sdpa"] <= 1e-5 and report["eager"] <= 1e-5 and report["generated"], report
     assert report["bert_position_mean"] == 128 and report["bert"] <= 1e-5, report
+    assert report["slopes"] == fitted and fitted[0] != fitted[1]  # each layer its own
 
 
 def sliding(model_type: str, **extra):
