@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from builders import build_model
-from pretrained import Arm, _emit, conversion_options, format_rows
+from pretrained import Arm, _emit, add_recovery_arguments, conversion_options, format_rows, parse_with_quick
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import hf_alibi
@@ -218,27 +218,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc_length", type=int, default=None, help="retrieval documents (default 2x the native length)")
     p.add_argument("--passage", type=int, default=32, help="retrieval query length")
     p.add_argument("--seeds", type=int, default=10, help="query draws per document")
-    p.add_argument("--recover_steps", type=int, default=0, help="N recovery steps per conversion (0: none)")
-    p.add_argument("--recovered_only", action="store_true", help="measure conversions only after recovery")
-    p.add_argument("--recover_batch", type=int, default=8)
-    p.add_argument("--recover_length", type=int, default=256)
-    p.add_argument("--recover_lr", type=float, default=None, help="default: recover()'s")
-    p.add_argument("--recover_lora_rank", type=int, default=0, help="recover with LoRA of this rank (0: every weight)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="append each row as one JSON line to this file")
-    args = p.parse_args(argv)
-    if args.quick:  # small settings, where the command line left the default
-        quick = {
-            "lengths": [32, 64],
-            "eval_tokens": 1024,
-            "recover_steps": 2,
-            "recover_batch": 2,
-            "recover_length": 32,
-        }
-        for name, value in quick.items():
-            if getattr(args, name) == p.get_default(name):
-                setattr(args, name, value)
-    return args
+    add_recovery_arguments(p, recover_batch=8)
+    quick = {"lengths": [32, 64], "eval_tokens": 1024, "recover_steps": 2, "recover_batch": 2, "recover_length": 32}
+    return parse_with_quick(p, argv, quick)
 
 
 def main(argv=None) -> list[dict]:

@@ -370,18 +370,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passkey_lengths", type=int, nargs="*", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--fit_tokens", type=int, default=1024, help="text tokens fit=SCALE arms fit their slopes on")
+    add_recovery_arguments(p, recover_batch=2)
+    quick = {"lengths": [32, 64, 128], "eval_tokens": 512, "position_tokens": 256, "chunk": 48, "fit_tokens": 64}
+    quick.update(passkey_lengths=[128, 256], recover_steps=2, recover_batch=2, recover_length=32)
+    return parse_with_quick(p, argv, quick)
+
+
+def add_recovery_arguments(p: argparse.ArgumentParser, recover_batch: int) -> None:
+    """The recovery, thread and output flags of the pretrained-checkpoint benchmarks (this one, encoder.py)."""
     p.add_argument("--recover_steps", type=int, default=0, help="N recovery steps per conversion (0: none)")
     p.add_argument("--recovered_only", action="store_true", help="measure conversions only after recovery")
-    p.add_argument("--recover_batch", type=int, default=2)
+    p.add_argument("--recover_batch", type=int, default=recover_batch)
     p.add_argument("--recover_length", type=int, default=256)
     p.add_argument("--recover_lr", type=float, default=None, help="default: recover()'s")
     p.add_argument("--recover_lora_rank", type=int, default=0, help="recover with LoRA of this rank (0: every weight)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="append each row as one JSON line to this file")
+
+
+def parse_with_quick(p: argparse.ArgumentParser, argv, quick: dict) -> argparse.Namespace:
+    """The arguments; with ``--quick``, the ``quick`` settings where the command line left the default."""
     args = p.parse_args(argv)
-    if args.quick:  # small settings, where the command line left the default
-        quick = {"lengths": [32, 64, 128], "eval_tokens": 512, "position_tokens": 256, "chunk": 48, "fit_tokens": 64}
-        quick.update(passkey_lengths=[128, 256], recover_steps=2, recover_batch=2, recover_length=32)
+    if args.quick:
         for name, value in quick.items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)

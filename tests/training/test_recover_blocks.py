@@ -78,7 +78,8 @@ def test_embedding_cosine_frames_every_input():
     assert unframed != pytest.approx(expected, abs=1e-4), "the frame must change what the models read"
 
 
-def _record_blocks(monkeypatch) -> list[torch.Tensor]:
+def _recover_recording(model, monkeypatch, steps: int):
+    """recover() on ``model`` with a [CLS] ... [SEP] tokenizer; the result, the blocks it trained on, the stream."""
     seen: list[torch.Tensor] = []
 
     class Recording(recover_api.DistillationTrainer):
@@ -87,42 +88,28 @@ def _record_blocks(monkeypatch) -> list[torch.Tensor]:
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     monkeypatch.setattr(recover_api, "DistillationTrainer", Recording)
-    return seen
-
-
-def _texts() -> list[str]:
+    tokenizer = make_tokenizer("[CLS] $A [SEP]")
     generator = torch.Generator().manual_seed(3)
-    words = torch.randint(3, VOCAB, (60, 20), generator=generator)
-    return [" ".join(f"w{i}" for i in row.tolist()) for row in words]
+    texts = [" ".join(f"w{i}" for i in row.tolist()) for row in torch.randint(3, VOCAB, (60, 20), generator=generator)]
+    result = recover(
+        model, texts, tokenizer, length=16, max_steps=steps, batch_size=4, eval_texts=texts[-4:], seed=0,
+        eval_factors=(1,), progress=False, log=None,
+    )  # fmt: skip
+    return result, torch.cat(seen), token_stream(texts, tokenizer).tolist()
 
 
 def test_an_encoder_recovers_on_framed_blocks(monkeypatch):
-    tokenizer = make_tokenizer("[CLS] $A [SEP]")
-    texts = _texts()
-    seen = _record_blocks(monkeypatch)
-    result = recover(
-        tiny_bert(), texts, tokenizer, length=16, max_steps=3, batch_size=4, eval_texts=texts[-4:], seed=0,
-        eval_factors=(1,), progress=False, log=None,
-    )  # fmt: skip
-    rows = torch.cat(seen)
+    result, rows, stream = _recover_recording(tiny_bert(), monkeypatch, steps=3)
     assert rows.shape == (12, 16)
     assert (rows[:, 0] == CLS).all() and (rows[:, -1] == SEP).all()
     # the text between the frames: 14-token pieces of the stream (texts joined by [SEP]), in some order
-    stream = token_stream(texts, tokenizer).tolist()
     pieces = {tuple(stream[i : i + 14]) for i in range(0, len(stream) - 13, 14)}
     assert all(tuple(row[1:-1].tolist()) in pieces for row in rows)
     assert result.info["special_tokens_per_block"] == 2
 
 
 def test_a_causal_lm_recovers_on_the_stream_as_it_is(monkeypatch):
-    tokenizer = make_tokenizer("[CLS] $A [SEP]")
-    texts = _texts()
-    seen = _record_blocks(monkeypatch)
-    result = recover(
-        tiny_gpt2(), texts, tokenizer, length=16, max_steps=2, batch_size=4, eval_texts=texts[-4:], seed=0,
-        eval_factors=(1,), progress=False, log=None,
-    )  # fmt: skip
-    stream = token_stream(texts, tokenizer).tolist()
+    result, rows, stream = _recover_recording(tiny_gpt2(), monkeypatch, steps=2)
     blocks = {tuple(stream[i : i + 16]) for i in range(0, len(stream) - 15, 16)}
-    assert all(tuple(row.tolist()) in blocks for row in torch.cat(seen))
+    assert all(tuple(row.tolist()) in blocks for row in rows)
     assert result.info["special_tokens_per_block"] == 0
