@@ -118,8 +118,10 @@ assert torch.allclose(bias, expected)
 # Distillation from the original on the same kind of text, at the original length: a converted copy
 # (the student) learns to give the original's next-token distributions. The agreement is printed before,
 # during and after: the KL to the original, perplexities at `L` and the student's at 2, 4 and 8 x `L`
-# (which the original cannot run). A few steps here; see [docs/recovery.md](../docs/recovery.md) for
-# real runs and the command line (`hf-alibi recover`).
+# (which the original cannot run). With a preset, `recover` first fits the slopes per layer and head:
+# the original's heads are run once on the training text, and each gets `0.1 / its mean attention distance`
+# (`hf_alibi.fit_slopes`). A few steps here; see [docs/recovery.md](../docs/recovery.md) for real runs and
+# the command line (`hf-alibi recover`).
 
 # %%
 result = recover(
@@ -133,6 +135,9 @@ result = recover(
     progress=False,
 )
 before, after = result.history[0], result.final
+print("slopes:", result.info["slopes"])
+fitted = hf_alibi.get_settings(result.student.config).slopes
+assert len(fitted) == original.config.n_layer and len(fitted[0]) == original.config.n_head
 if FULL:  # the "ci" run is too short to move it
     assert after["kl"] < before["kl"]
 recovered = work / "gpt2-alibi-recovered"
