@@ -10,6 +10,8 @@ lists go to ``patch_model(model, slopes=...)`` (one list per layer) and are save
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import PreTrainedModel
 
@@ -33,8 +35,8 @@ def fit_slopes(
     Args:
         model: the original model (not converted): a decoder-only or encoder row of the registry. It runs once
             with eager attention (its attention implementation is given back afterwards); its weights are
-            untouched. The attention maps of every layer are held at once: about
-            ``layers x heads x T^2 x 4`` bytes for ``T`` tokens (1024 tokens: 1.1 GB for SmolLM2-135M).
+            untouched. Each layer's attention map is reduced as the layer runs: the memory is one layer's
+            ``heads x T^2`` map (and eager attention's own), not the model's.
         input_ids: ``(T,)`` or ``(B, T)`` token ids of the user's text, no padding; ``T`` at most the model's
             trained length (a few hundred to a thousand tokens is enough).
         scale: the slope of a head whose mean distance is ``D`` tokens is ``scale / max(D, 1)``.
@@ -74,28 +76,35 @@ def fit_slopes(
     if not 0 <= skip < length:
         raise ValueError(f"skip must be between 0 and the {length} tokens given, got {skip}.")
 
+    positions = torch.arange(length)
+    distance = (positions[:, None] - positions[None]).abs().float()[skip:, sinks:]  # (T - skip, T - sinks): |i - j|
+    attentions = self_attentions(model.base_model, row)
+    means: list[torch.Tensor | None] = [None] * len(attentions)
+
+    def reduce(index: int, _module, _args, output) -> None:
+        """One layer's mean distance per head, taken from its eager attention weights as it runs (no layer's map
+        is kept: the memory is one layer's, not the model's)."""
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if isinstance(weights, torch.Tensor) and weights.dim() == 4:
+            weights = weights.float()[..., skip:, sinks:]
+            kept = weights.sum(-1).clamp(min=1e-12)
+            means[index] = ((weights * distance.to(weights.device)).sum(-1) / kept).mean(dim=(0, 2)).cpu()  # (H,)
+
     previous = config._attn_implementation
     was_training = model.training
+    hooks = [module.register_forward_hook(partial(reduce, i)) for i, module in enumerate(attentions)]
     model.set_attn_implementation("eager")
     try:
-        device = next(model.parameters()).device
-        attentions = model.eval()(input_ids=ids.to(device), output_attentions=True).attentions
+        model.eval()(input_ids=ids.to(next(model.parameters()).device))
     finally:
+        for hook in hooks:
+            hook.remove()
         model.set_attn_implementation(previous)
         model.train(was_training)
-    expected = len(self_attentions(model.base_model, row))
-    if attentions is None or len(attentions) != expected:
-        got = 0 if attentions is None else len(attentions)
+    if any(mean is None for mean in means):
         raise ValueError(
-            f"{config.model_type}: the model gave {got} attention maps for its {expected} self-attention layers; "
-            "fit_slopes cannot match them. Use slope_scale instead."
+            f"{config.model_type}: its attention layers gave no attention weights with eager attention, so "
+            "fit_slopes cannot measure them. Use slope_scale instead."
         )
-    positions = torch.arange(length, device=device)
-    distance = (positions[:, None] - positions[None]).abs().float()  # (T, T): |i - j|
-    slopes = []
-    for weights in attentions:  # (B, H, T, T)
-        weights = weights.float()[..., skip:, sinks:]
-        kept = weights.sum(-1).clamp(min=1e-12)
-        mean = ((weights * distance[skip:, sinks:]).sum(-1) / kept).mean(dim=(0, 2))  # (H,)
-        slopes.append([scale / max(d, 1.0) for d in mean.tolist()])
+    slopes = [[scale / max(d, 1.0) for d in mean.tolist()] for mean in means]
     return slopes

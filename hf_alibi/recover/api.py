@@ -289,7 +289,7 @@ def recover(
     return RecoveryResult(student=student, history=history, info=info)
 
 
-FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (all layers' maps held at once)
+FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (eager attention: heads x T^2 per layer)
 
 
 def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) -> list[list[float]] | None:
