@@ -277,7 +277,7 @@ def recover(
         "epochs": round(epochs, 3),
         "learning_rate": learning_rate,
         "preset": preset or "paper",
-        "slopes": "fitted per layer and head (hf_alibi.fit_slopes)" if slopes is not None else "the preset's",
+        "slopes": _slopes_note(slopes, preset),
         "lora_rank": lora_rank,
         "eval_lengths": [f * length for f in eval_factors],
         "warm_start_steps": warm_start_steps,
@@ -309,6 +309,12 @@ def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) 
     if len(ids) == 0:  # less text than that: the whole training stream, framed
         ids = framed_blocks(stream, stream.numel() + len(frame[0]) + len(frame[1]), frame)
     return hf_alibi.fit_slopes(teacher, ids, sinks=settings.sinks)
+
+
+def _slopes_note(slopes, preset: str | None) -> str:
+    if slopes is not None:
+        return "fitted per layer and head (hf_alibi.fit_slopes)"
+    return "the paper's" if preset is None else f"the {preset} preset's uniform scale"
 
 
 def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:
