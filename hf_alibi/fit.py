@@ -50,6 +50,11 @@ def fit_slopes(
 
     Raises:
         ValueError: a converted model, an encoder-decoder or unregistered architecture, or bad arguments.
+
+    Example:
+        >>> ids = tokenizer(my_text, return_tensors="pt", truncation=True, max_length=1024)["input_ids"]
+        >>> slopes = hf_alibi.fit_slopes(model, ids)  # doctest: +SKIP
+        >>> hf_alibi.patch_model(model, preset="pretrained", slopes=slopes)  # doctest: +SKIP
     """
     from .patch import is_alibi_model
 
