@@ -124,3 +124,11 @@ def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
     assert not hasattr(hf_alibi.patch_model, "keywords")
     with bench.conversion_options({"preset": "pretrained"}) as direct:
         assert direct == {"preset": "pretrained", "fit_slopes": False}
+    # a fitted arm's slopes reach the recovered student (recover() passes no slopes of its own then)
+    slopes = [[0.01, 0.02, 0.03, 0.04], [0.05, 0.06, 0.07, 0.08]]
+    with bench.conversion_options({"preset": "pretrained", "slopes": slopes}) as direct:
+        stream = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(4))
+        result = bench.recover(
+            _llama(), stream, length=16, max_steps=1, batch_size=2, progress=False, log=None, **direct
+        )
+    assert hf_alibi.get_settings(result.student.config).slopes == slopes

@@ -191,7 +191,8 @@ def recover(
     requires_grad = [p.requires_grad for p in teacher.parameters()]
     slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant)
     student = copy.deepcopy(teacher).requires_grad_(True)
-    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, slopes=slopes)
+    fitted = {} if slopes is None else {"slopes": slopes}  # none given: patch_model's (or a caller's wrapper's)
+    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **fitted)
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
