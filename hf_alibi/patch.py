@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from .core.config import AlibiSettings, get_settings, is_alibi_config
-from .core.modeling import check_sinks_fit, check_slopes_fit, convert, sinks_fit
+from .core.modeling import check_sinks_fit, check_slopes_fit, convert, self_attentions, sinks_fit
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import fold_position_mean
 from .registry import alibi_classes, get_architecture
@@ -216,7 +216,7 @@ def patch_model(
             f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
             f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
         )
-    check_slopes_fit(model, settings, row)
+    check_slopes_fit(settings, len(self_attentions(model.base_model, row)))  # before anything changes
     if settings.position_mean:
         try:  # raises before it changes anything
             fold_position_mean(model.base_model, row.position, settings.position_mean)

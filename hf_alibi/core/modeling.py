@@ -48,9 +48,9 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     position ids are dropped, and the layers share one mask cache for the length of a forward."""
     check_strategy(row)
     check_sinks_fit(model.config, settings)
-    check_slopes_fit(model, settings, row)
     base = model.base_model
     attentions = self_attentions(base, row)
+    check_slopes_fit(settings, len(attentions))
     if settings.rotary_max_wavelength is not None:  # validated: a rotary row
         rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
     else:
@@ -78,10 +78,10 @@ def self_attentions(base: nn.Module, row: Architecture) -> list[nn.Module]:
     return [attention for path in row.attention for _, _, attention in find_modules(base, path)]
 
 
-def check_slopes_fit(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) -> None:
-    """One-line ``ValueError`` when per-layer slopes do not list one entry per self-attention layer."""
+def check_slopes_fit(settings: AlibiSettings, count: int) -> None:
+    """One-line ``ValueError`` when per-layer slopes do not list one entry for each of the model's ``count``
+    self-attention layers (:func:`self_attentions`)."""
     if is_per_layer(settings.slopes):
-        count = len(self_attentions(model.base_model, row))
         if len(settings.slopes) != count:
             raise ValueError(
                 f"slopes lists {len(settings.slopes)} layers, but this {settings.base_model_type} model has {count} "

@@ -16,7 +16,7 @@ import hf_alibi
 
 from ..core.compat import name_or_path
 from ..patch import settings_for
-from .data import NO_FRAME, Blocks, as_stream, framed_blocks, mlm_collator, special_frame
+from .data import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
@@ -274,7 +274,7 @@ def recover(
         "length": length,
         "tokens": max_steps * tokens_per_step,
         "train_tokens_available": int(n_blocks * length),
-        "special_tokens_per_block": len(frame[0]) + len(frame[1]),
+        "special_tokens_per_block": frame_size(frame),
         "epochs": round(epochs, 3),
         "learning_rate": learning_rate,
         "preset": preset or "paper",
@@ -295,21 +295,16 @@ FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (
 
 def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) -> list[list[float]] | None:
     """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the preset's)."""
-    can_fit = not getattr(teacher.config, "is_encoder_decoder", False)
-    if fit is None:
-        fit = preset is not None and can_fit
+    if fit is None:  # by default where it can (fit_slopes refuses encoder-decoders itself when asked)
+        fit = preset is not None and not getattr(teacher.config, "is_encoder_decoder", False)
     if not fit:
         return None
     if preset is None:
         raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
-    if not can_fit:
-        raise ValueError(f"fit_slopes supports decoder-only and encoder models, not {teacher.config.model_type}.")
     settings = settings_for(teacher.config, heads, encoder_variant, preset=preset)
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
-    ids = framed_blocks(stream[: length - len(frame[0]) - len(frame[1])], length, frame)
-    if len(ids) == 0:  # less text than that: the whole training stream, framed
-        ids = framed_blocks(stream, stream.numel() + len(frame[0]) + len(frame[1]), frame)
-    return hf_alibi.fit_slopes(teacher, ids, sinks=settings.sinks)
+    text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
+    return hf_alibi.fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
 
 
 def _slopes_note(slopes, preset: str | None) -> str:

@@ -106,8 +106,23 @@ def special_frame(tokenizer) -> Frame:
     return NO_FRAME
 
 
+def frame_size(frame: Frame) -> int:
+    """How many special tokens ``frame`` puts around a text."""
+    return len(frame[0]) + len(frame[1])
+
+
+def frame_rows(rows: torch.Tensor, frame: Frame = NO_FRAME) -> torch.Tensor:
+    """Each row of ``rows`` (N, C) between the frame's prefix and suffix: (N, C + :func:`frame_size`).
+
+    >>> frame_rows(torch.tensor([[10, 11]]), ((1,), (2,)))
+    tensor([[ 1, 10, 11,  2]])
+    """
+    prefix, suffix = (rows.new_tensor(part).expand(len(rows), -1) for part in frame)
+    return torch.cat([prefix, rows, suffix], dim=1)
+
+
 def framed_blocks(stream: torch.Tensor, length: int, frame: Frame = NO_FRAME) -> torch.Tensor:
-    """Blocks (N, length) of ``stream``: consecutive pieces of ``length - len(prefix) - len(suffix)`` tokens,
+    """Blocks (N, length) of ``stream``: consecutive pieces of ``length - frame_size(frame)`` tokens,
     each between the frame's prefix and suffix, so an encoder trains on inputs shaped like the ones it reads
     (``[CLS] ... [SEP]``). With no frame, the stream cut into blocks of ``length``. N may be 0.
 
@@ -116,16 +131,14 @@ def framed_blocks(stream: torch.Tensor, length: int, frame: Frame = NO_FRAME) ->
             [ 1, 12, 13,  2],
             [ 1, 14, 15,  2]])
     """
-    prefix, suffix = frame
-    content = length - len(prefix) - len(suffix)
+    content = length - frame_size(frame)
     if content < 1:
         raise ValueError(
-            f"length {length} leaves no room for text between the tokenizer's {len(prefix) + len(suffix)} special "
+            f"length {length} leaves no room for text between the tokenizer's {frame_size(frame)} special "
             "tokens. Pass a larger length."
         )
     n = stream.numel() // content
-    body = stream[: n * content].view(n, content)
-    return torch.cat([body.new_tensor(prefix).expand(n, -1), body, body.new_tensor(suffix).expand(n, -1)], dim=1)
+    return frame_rows(stream[: n * content].view(n, content), frame)
 
 
 def mlm_collator(tokenizer, probability: float = 0.15):

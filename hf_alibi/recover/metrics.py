@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..evaluation import evaluate_perplexity
-from .data import NO_FRAME, Frame, framed_blocks
+from .data import NO_FRAME, Frame, frame_rows, frame_size
 from .introspection import CAUSAL, model_kind
 from .losses import kl_next_token
 
@@ -63,13 +63,12 @@ def embedding_cosine(
     >>> embedding_cosine(student_bert, original_bert, held_out_ids, length=128, factor=4)
     0.97
     """
-    special = len(frame[0]) + len(frame[1])
-    piece = length - special  # the text of one of the teacher's inputs
+    piece = length - frame_size(frame)  # the text of one of the teacher's inputs
     windows = _windows(stream, piece * factor)
     if len(windows) == 0:
         return None
-    student_emb = mean_pooled(student, framed_blocks(windows.reshape(-1), piece * factor + special, frame))
-    teacher_emb = mean_pooled(teacher, framed_blocks(windows.reshape(-1), length, frame))
+    student_emb = mean_pooled(student, frame_rows(windows, frame))
+    teacher_emb = mean_pooled(teacher, frame_rows(windows.reshape(-1, piece), frame))
     teacher_emb = teacher_emb.view(len(windows), factor, -1).mean(1)
     return F.cosine_similarity(student_emb, teacher_emb, dim=-1).mean().item()
 
