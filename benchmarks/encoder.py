@@ -52,6 +52,7 @@ OPTIONS = {
     "sinks": int,
     "slope_scale": float,
     "position_mean": int,
+    "table_max_wavelength": float,
     "preset": str,
     "encoder_variant": str,
     "fit": float,

@@ -3,6 +3,7 @@
     hf-alibi convert SRC OUT [--heads N] [--encoder-variant V] [--overwrite]
                              [--preset pretrained] [--sinks N] [--rotary-max-wavelength X]
                              [--slope-scale S] [--slopes a,b,...] [--position-mean N]
+                             [--table-max-wavelength X]
                              [--fit-slopes TEXT_FILE [--fit-scale C] [--fit-tokens T]]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
     hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
@@ -54,9 +55,10 @@ def convert(
     """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
 
     ``options`` are :func:`hf_alibi.patch_model`'s keyword arguments (``preset``, ``sinks``,
-    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``, ``position_mean``). Every argument is checked
-    before the model is loaded. The folder is written next to ``out`` first and moved in place at the end, so a failure
-    leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new one is complete).
+    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``, ``position_mean``, ``table_max_wavelength``). Every
+    argument is checked before the model is loaded. The folder is written next to ``out`` first and moved in place
+    at the end, so a failure leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new
+    one is complete).
     It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
 
     ``fit_file``: a text file; the slopes are fitted per layer and head on its first ``fit_tokens`` tokens by
@@ -262,6 +264,11 @@ def _options_line(info: dict) -> str:
         line += f"; rotary frequencies: {kept}"
     if info.get("position_mean"):
         line += f"; position table's mean (first {info['position_mean']} rows) kept in the embeddings"
+    if info.get("table_max_wavelength") is not None:
+        line += (
+            f"; position table's wavelengths <= {info['table_max_wavelength']:g} kept "
+            f"({info.get('table_rows')} rows, repeated)"
+        )
     return line
 
 
@@ -313,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--slopes", type=_slope_list, default=None, help="explicit slopes a,b,... (one per head)")
     conv.add_argument(
         "--position-mean", type=int, default=None, help="learned tables: fold the mean of the first N rows in"
+    )
+    conv.add_argument(
+        "--table-max-wavelength", type=float, default=None, help="encoders' tables: keep wavelengths <= X (0: none)"
     )
     conv.add_argument(
         "--fit-slopes", metavar="TEXT_FILE", dest="fit_file", default=None,
@@ -386,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # patch_model's keywords
-CONVERT_OPTIONS = ("preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes", "position_mean")
+CONVERT_OPTIONS = (
+    "preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes", "position_mean", "table_max_wavelength",
+)  # fmt: skip
 
 
 def _check_push_arguments(args) -> None:

@@ -152,12 +152,16 @@ def gpt_neox_reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings()(base.final_layer_norm(hidden))
 
 
-def bert_reference_logits(model, input_ids: torch.Tensor, kind: str, attention_mask=None, bias=None) -> torch.Tensor:
-    """A converted BERT / RoBERTa masked LM by hand: word + token-type embeddings only, ``kind`` bias."""
+def bert_reference_logits(
+    model, input_ids: torch.Tensor, kind: str, attention_mask=None, bias=None, positions=None
+) -> torch.Tensor:
+    """A converted BERT / RoBERTa masked LM by hand: word + token-type embeddings (+ ``positions``, a
+    ``(B|1, L, width)`` tensor, where given), ``kind`` bias."""
     base = model.base_model
     n_head = model.config.num_attention_heads
     emb = base.embeddings
-    hidden = emb.LayerNorm(emb.word_embeddings(input_ids) + emb.token_type_embeddings(torch.zeros_like(input_ids)))
+    inputs = emb.word_embeddings(input_ids) + emb.token_type_embeddings(torch.zeros_like(input_ids))
+    hidden = emb.LayerNorm(inputs if positions is None else inputs + positions)
     length = input_ids.shape[1]
     padding = attention_mask.bool() if attention_mask is not None else None
     for layer in base.encoder.layer:

@@ -56,13 +56,14 @@ def test_arms_parse_and_bad_options_say_what_to_use():
 
 
 def test_quick_run_rows():
-    rows = bench.main(["--quick", "--arms", "original", "pretrained", "--arm", "preset=pretrained,slope_scale=0.5"])
+    removed = "preset=pretrained,table_max_wavelength=0"  # the preset without the table's kept wavelengths
+    rows = bench.main(["--quick", "--arms", "original", "pretrained", "--arm", removed])
     assert [r["arm"] for r in rows] == [
         "original",
         "pretrained",
         "pretrained +2 steps",
-        "preset=pretrained,slope_scale=0.5",
-        "preset=pretrained,slope_scale=0.5 +2 steps",
+        "preset=pretrained,table_max_wavelength=0",
+        "preset=pretrained,table_max_wavelength=0 +2 steps",
     ]
     assert rows[0]["cos@32"] == pytest.approx(1.0) and rows[0]["cos@64"] == pytest.approx(1.0)
     assert rows[0]["reads"] == 64 and all(r["reads"] == 128 for r in rows[1:])  # the original stops at its 64

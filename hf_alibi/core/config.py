@@ -119,6 +119,18 @@ class AlibiSettings:
             "saved weights carry it; nothing is redone on load). 0: the table just goes (the paper)."
         },
     )
+    table_max_wavelength: float | None = field(
+        default=None,
+        metadata={
+            "help": "Encoder absolute rows only: keep the learned position table's Fourier components of wavelength "
+            "at most this (tokens), repeated past the table; the others (and its mean) are removed. None: the "
+            "table goes entirely (the paper)."
+        },
+    )
+    table_rows: int = field(
+        default=0,
+        metadata={"help": "The retained table's rows (its period), set with table_max_wavelength."},
+    )
 
     def __post_init__(self):
         if self.encoder_variant is not None and self.encoder_variant not in ENCODER_VARIANTS:
@@ -128,7 +140,7 @@ class AlibiSettings:
             )
         check_pretrained_options(
             self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
-            self.position_mean,
+            self.position_mean, self.table_max_wavelength, self.table_rows,
         )  # fmt: skip
         if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
             object.__setattr__(self, "slopes", _as_floats(self.slopes))
@@ -168,6 +180,8 @@ def check_pretrained_options(
     slopes: list[float] | None,
     architecture: dict | None = None,
     position_mean: int = 0,
+    table_max_wavelength: float | None = None,
+    table_rows: int = 0,
 ) -> None:
     """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
 
@@ -210,6 +224,20 @@ def check_pretrained_options(
             f"position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
             "position path. Leave it 0."
         )
+    if table_max_wavelength is not None:
+        if not _is_number(table_max_wavelength) or table_max_wavelength < 2:
+            raise ValueError(
+                "table_max_wavelength must be a number >= 2 (a wavelength in tokens), or 0 / None to remove the "
+                f"table, got {table_max_wavelength!r}."
+            )
+        if strategy not in (None, "absolute") or not (architecture or {}).get("bidirectional", True):
+            model_type = (architecture or {}).get("model_type")
+            raise ValueError(
+                "table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
+                f"{model_type} is {'a decoder' if strategy == 'absolute' else f'a {strategy!r} row'}. Leave it None."
+            )
+    if not isinstance(table_rows, int) or isinstance(table_rows, bool) or table_rows < 0:
+        raise ValueError(f"table_rows must be an integer >= 0, got {table_rows!r}.")
     if rotary_max_wavelength is not None:
         if not _is_number(rotary_max_wavelength) or rotary_max_wavelength <= 0:
             raise ValueError(

@@ -25,7 +25,7 @@ from .config import (
 )
 from .mask import MaskCache
 from .slopes import CAUSAL, scaled_slopes_list
-from .strategies import STRATEGIES, find_modules, rotary
+from .strategies import STRATEGIES, find_modules, retained_table, rotary
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -53,6 +53,8 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     check_slopes_fit(settings, len(attentions))
     if settings.rotary_max_wavelength is not None:  # validated: a rotary row
         rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
+    elif settings.table_max_wavelength is not None:  # validated: an encoder's absolute row
+        retained_table(base, row.position, settings.table_max_wavelength, settings.table_rows)
     else:
         STRATEGIES[row.strategy](base, row.position)
     masks = MaskCache()

@@ -152,6 +152,75 @@ class RetainedRotary(nn.Module):
         return f"max_wavelength={self.max_wavelength}"
 
 
+class RetainedTable(nn.Module):
+    """Stands where a learned absolute position table was: keeps its short-wavelength periodic part, repeated.
+
+    A table's ``rows`` used rows (from its first position: RoBERTa's ``padding_idx + 1``) are a sum of Fourier
+    components: component ``k`` turns ``k`` times over the rows (wavelength ``rows / k`` tokens). Those of
+    wavelength ``<= max_wavelength`` are kept (``k >= 1``: the mean is ``position_mean``'s), the others removed,
+    and since every kept component turns a whole number of times over the rows, position ``p`` reads row
+    ``(p - first) mod rows``: the same sinusoids continued past the table, so any length runs. Positions before
+    ``first`` (RoBERTa's padding) get zeros. The kept part is the buffer ``table``, saved with the weights: it
+    is computed from ``source`` (the table being replaced) at conversion, and a model rebuilt from a checkpoint
+    (``source=None``, zeros) gets it from the loaded weights.
+    """
+
+    def __init__(
+        self, rows: int, width: int, max_wavelength: float, first: int = 0, source: torch.Tensor | None = None
+    ):
+        super().__init__()
+        self.rows, self.first, self.max_wavelength = int(rows), int(first), float(max_wavelength)
+        table = torch.zeros(self.rows, width)
+        if source is not None and not source.is_meta:
+            table = periodic_part(source.detach()[self.first : self.first + self.rows].float(), self.max_wavelength)
+        self.register_buffer("table", table)
+
+    def forward(self, position_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        index = position_ids.long() - self.first
+        rows = self.table[index.remainder(self.rows)]  # (..., width)
+        return rows.masked_fill((index < 0)[..., None], 0.0)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}, max_wavelength={self.max_wavelength}, first={self.first}"
+
+
+def periodic_part(table: torch.Tensor, max_wavelength: float) -> torch.Tensor:
+    """The Fourier components of ``table`` (``(rows, width)``, along the rows) of wavelength ``rows / k <=
+    max_wavelength`` tokens, ``k >= 1`` (the mean removed), summed back to ``(rows, width)`` in float32."""
+    rows = table.shape[0]
+    spectrum = torch.fft.rfft(table.double(), dim=0)  # (rows // 2 + 1, width)
+    k = torch.arange(spectrum.shape[0], dtype=torch.float64, device=table.device)
+    kept = (k >= 1) & (k * max_wavelength >= rows)  # rows / k <= max_wavelength
+    return torch.fft.irfft(spectrum * kept[:, None], n=rows, dim=0).float()
+
+
+def table_rows(table: nn.Module) -> tuple[int, int]:
+    """``(first, rows)``: where a learned table's used rows begin (OPT's offset, RoBERTa's ``padding_idx + 1``)
+    and how many there are."""
+    padding = getattr(table, "padding_idx", None)
+    first = getattr(table, "offset", None) or (padding + 1 if padding is not None else 0)
+    return first, table.weight.shape[0] - first
+
+
+def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: float, rows: int) -> None:
+    """A learned table added to the token embeddings (BERT's, RoBERTa's): its short-wavelength periodic part
+    instead (:class:`RetainedTable`), ``rows`` rows long. Where the table's owner takes its default positions
+    from a buffer sized by the maximum length (BERT), they are made per input instead, so any length runs."""
+    for path in paths:
+        for parent, name, table in find_modules(base, path):
+            if isinstance(table, RetainedTable):
+                continue
+            first, own_rows = table_rows(table)
+            source = table.weight if own_rows == rows else None  # a model being rebuilt: the weights load later
+            setattr(parent, name, RetainedTable(rows, table.weight.shape[1], max_wavelength, first, source))
+            if isinstance(getattr(parent, "token_type_ids", None), torch.Tensor):
+                parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
+            if isinstance(getattr(parent, "position_ids", None), torch.Tensor) and not hasattr(
+                parent, "create_position_ids_from_input_ids"
+            ):
+                parent.register_forward_pre_hook(_default_positions, with_kwargs=True)
+
+
 def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
     """A learned table added to the token embeddings (GPT-2's ``wpe``, BERT's, OPT's): a zero instead.
 
@@ -189,8 +258,7 @@ def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int) -> No
                     f"position_mean cannot fold {path!r} of {type(base).__name__}: its owner has no token-type or "
                     "token embedding added with it unchanged (a projection in between?). Pass position_mean=0."
                 )
-            padding = getattr(table, "padding_idx", None)
-            first = getattr(table, "offset", None) or (padding + 1 if padding is not None else 0)
+            first, _ = table_rows(table)
             used = table.weight[first : first + rows]
             if used.shape[0] == 0:
                 raise ValueError(f"position_mean: {path!r} has no rows from position {first}. Pass position_mean=0.")
@@ -234,6 +302,17 @@ def _default_token_types(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
             (input_ids.shape, input_ids.device) if input_ids is not None else (embeds.shape[:-1], embeds.device)
         )
         kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
+    return args, kwargs
+
+
+def _default_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # The original default slices a buffer of length max_position_embeddings: the same count from the
+    # cache's length, without the limit.
+    if kwargs.get("position_ids") is None:
+        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        tokens = input_ids if input_ids is not None else embeds
+        start = kwargs.get("past_key_values_length", 0) or 0
+        kwargs["position_ids"] = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
     return args, kwargs
 
 

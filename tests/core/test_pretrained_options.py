@@ -292,6 +292,7 @@ generated = model.generate(**inputs, max_new_tokens=6, do_sample=False)
 report["generated"] = torch.equal(generated, expected["generated"])
 bert = transformers.AutoModel.from_pretrained("bert", trust_remote_code=True).eval()  # position_mean folded
 report["bert_position_mean"] = bert.config.alibi["position_mean"]
+report["bert_table"] = type(bert.embeddings.position_embeddings).__name__
 with torch.no_grad():
     hidden = bert(input_ids=expected["bert_ids"]).last_hidden_state
 report["bert"] = (hidden - expected["bert_hidden"]).abs().max().item()
@@ -316,7 +317,8 @@ def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
     model.save_pretrained(tmp_path)
     torch.manual_seed(0)
     bert = transformers.BertModel(transformers.BertConfig(**BERT)).eval()
-    hf_alibi.patch_model(bert, preset="pretrained").save_pretrained(tmp_path / "bert")  # the table's mean kept
+    # the table's mean and short wavelengths kept
+    hf_alibi.patch_model(bert, preset="pretrained").save_pretrained(tmp_path / "bert")
     bert_ids = random_ids(2, LENGTH)
     with torch.no_grad():
         bert_hidden = bert(input_ids=bert_ids).last_hidden_state
@@ -328,6 +330,7 @@ def test_remote_code_without_hf_alibi_applies_the_options(tmp_path):
     assert report["hf_alibi"] is False and report["rotary"] == "RetainedRotary", report
     assert report["sdpa"] <= 1e-5 and report["eager"] <= 1e-5 and report["generated"], report
     assert report["bert_position_mean"] == 128 and report["bert"] <= 1e-5, report
+    assert report["bert_table"] == "RetainedTable", report  # the preset keeps the table's short wavelengths
     assert report["slopes"] == fitted and fitted[0] != fitted[1]  # each layer its own
 
 
