@@ -111,7 +111,7 @@ def test_saved_checkpoint_and_the_cli_rebuild_the_same_model(tmp_path, capsys):
         torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
 
-def test_the_preset_keeps_a_quarter_of_the_table_on_encoders_only():
+def test_the_preset_keeps_every_wavelength_of_the_table_on_encoders_only():
     bound = PRESETS["pretrained"]["table_max_wavelength"]
     model = hf_alibi.patch_model(bert(), preset="pretrained")
     assert model.config.alibi["table_max_wavelength"] == bound.times * ROWS
