@@ -2,7 +2,9 @@
 
 Each strategy is ``strategy(base_model, paths)``: ``paths`` are the row's ``position`` entries,
 resolved from the base model by :func:`find_modules`. A strategy must not depend on weight values: it
-also runs on freshly built models (``from_pretrained`` loads the weights afterwards).
+also runs on freshly built models (``from_pretrained`` loads the weights afterwards). The parts a
+pretrained model keeps (:class:`RetainedRotary`, :class:`RetainedTable`) are the exception, each in its
+way: the rotary frequencies come from the config, the kept table is a buffer the weights carry.
 """
 
 from __future__ import annotations
