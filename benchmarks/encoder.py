@@ -14,7 +14,7 @@ every input framed as the encoder reads it (``[CLS] ... [SEP]``, from its tokeni
 
 Recovery (``--recover_steps``) trains on the tokens after the evaluated ones, with ``hf_alibi.recover.recover()``.
 
-    PYTHONPATH=. python benchmarks/encoder.py --model MINILM_FOLDER --text prose.txt --recover_steps 100
+    PYTHONPATH=. python benchmarks/encoder.py --model MINILM_FOLDER --recover_steps 100
     PYTHONPATH=. python benchmarks/encoder.py --quick          # a tiny self-made BERT, seconds
 """
 
@@ -38,6 +38,7 @@ from pretrained import (
     fitted_options,
     format_rows,
     parse_with_quick,
+    read_prose,
 )
 from transformers import AutoModel, AutoTokenizer, BertModel
 
@@ -208,7 +209,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model", default=None, help=f"an encoder checkpoint folder (default: the {MINILM_PACKAGE} package's)"
     )
-    p.add_argument("--text", default="/work/models/prose.txt", help="plain text to measure and recover on")
+    p.add_argument(
+        "--text", default=None, help="plain text to measure and recover on (default: Python's pydoc topics)"
+    )
     p.add_argument("--quick", action="store_true", help="a tiny self-made BERT and small settings (seconds)")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help=f"default: {' '.join(DEFAULT_ARMS)}")
     p.add_argument("--arm", action="append", default=[], help='an extra conversion, e.g. "preset=pretrained,sinks=0"')
@@ -233,7 +236,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(
             f"No --model given and the {MINILM_PACKAGE} package is not installed: pass an encoder folder."
         )
-    text = quick_setup(folder) if args.quick else Path(args.text).read_text()
+    text = quick_setup(folder) if args.quick else read_prose(args.text)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     frame = special_frame(tokenizer)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -16,7 +16,7 @@ Conversion arms: ``paper`` (``hf_alibi.patch_model(m)``), ``pretrained`` (``pres
 slopes fitted per layer and head by ``hf_alibi.fit_slopes`` with that scale, on ``--fit_tokens`` of the text after
 the evaluated tokens).
 
-    PYTHONPATH=. python benchmarks/pretrained.py --model /work/models/smollm2 --text /work/models/prose.txt
+    PYTHONPATH=. python benchmarks/pretrained.py --model /work/models/smollm2
     PYTHONPATH=. python benchmarks/pretrained.py --arms original yarn:2 pretrained --arm slope_scale=0.01 \
         --lengths 256 1024 --position_tokens 0 --passkey_lengths 1024 --recover_steps 40
     PYTHONPATH=. python benchmarks/pretrained.py --quick          # a tiny self-made Llama, seconds
@@ -154,11 +154,23 @@ class Text:
         self.ids, self.encode, self.decode = ids, encode, decode
 
 
-def text_from(folder: str, path: str) -> Text:
+def read_prose(path: str | None) -> str:
+    """The text at ``path``, or with none the prose the docs measure on: Python's own pydoc topics (in every
+    Python, ``pydoc_data.topics``), sorted by name, joined by blank lines."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[name] for name in sorted(topics))
+    if not Path(path).is_file():
+        raise SystemExit(f"--text {path}: no such file (give a plain-text file, or leave --text out: the pydoc prose)")
+    return Path(path).read_text()
+
+
+def text_from(folder: str, path: str | None) -> Text:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = torch.tensor(tokenizer(Path(path).read_text())["input_ids"])
+    ids = torch.tensor(tokenizer(read_prose(path))["input_ids"])
     return Text(ids, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"], tokenizer.decode)
 
 
@@ -360,7 +372,7 @@ def format_rows(rows: list[dict], digits: int = 2) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="/work/models/smollm2", help="a causal LM checkpoint folder")
-    p.add_argument("--text", default="/work/models/prose.txt", help="plain text to measure on")
+    p.add_argument("--text", default=None, help="plain text to measure on (default: Python's pydoc topics)")
     p.add_argument("--quick", action="store_true", help="a tiny self-made Llama and small settings (seconds)")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), help=f"default: {' '.join(DEFAULT_ARMS)}")
     p.add_argument("--arm", action="append", default=[], help='an extra conversion, e.g. "sinks=1,slope_scale=0.03"')

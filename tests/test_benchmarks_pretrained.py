@@ -132,3 +132,15 @@ def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
             _llama(), stream, length=16, max_steps=1, batch_size=2, progress=False, log=None, **direct
         )
     assert hf_alibi.get_settings(result.student.config).slopes == slopes
+
+
+def test_text_defaults_to_the_pydoc_prose_and_a_missing_file_is_one_line(tmp_path):
+    from pydoc_data.topics import topics
+
+    prose = bench.read_prose(None)
+    assert prose.startswith(topics[min(topics)]) and prose.endswith(topics[max(topics)])
+    assert prose.count(topics["assert"]) >= 1 and len(prose) > 400_000  # every topic, not one
+    (tmp_path / "t.txt").write_text("some words")
+    assert bench.read_prose(str(tmp_path / "t.txt")) == "some words"
+    with pytest.raises(SystemExit, match=r"--text .*missing.txt: no such file"):
+        bench.read_prose(str(tmp_path / "missing.txt"))
