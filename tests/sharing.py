@@ -150,6 +150,20 @@ def run_cli(*argv, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def check_cli_convert(src, out, flags: tuple, info_line: str, expected, ids: torch.Tensor, capsys) -> None:
+    """``hf-alibi convert SRC OUT FLAGS`` succeeds, ``hf-alibi info OUT`` prints ``info_line``, and the masked LM
+    loaded from OUT gives ``expected``'s logits on ``ids`` (``expected``: the same conversion in Python)."""
+    import transformers
+
+    code, _, err = run_cli("convert", src, out, *flags, capsys=capsys)
+    assert code == 0, err
+    code, stdout, _ = run_cli("info", out, capsys=capsys)
+    assert info_line in stdout, stdout
+    with torch.no_grad():
+        converted = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+        torch.testing.assert_close(converted(ids).logits, expected(ids).logits, rtol=0, atol=1e-5)
+
+
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:
     """``python -c CODE`` (dedented) in ``cwd``, with this checkout's hf_alibi importable, no stdin."""
     return subprocess.run(

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from sharing import run_cli
+from sharing import check_cli_convert
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
@@ -141,12 +141,6 @@ def test_saved_folded_checkpoint_reloads_with_the_same_outputs_and_the_cli_recor
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["alibi"]["position_mean"] == 16
 
-    src = tmp_path / "src"
-    bert(transformers.BertForMaskedLM).save_pretrained(src)
-    code, _, err = run_cli("convert", src, tmp_path / "out", "--position-mean", "16", capsys=capsys)
-    assert code == 0, err
-    code, stdout, _ = run_cli("info", tmp_path / "out", capsys=capsys)
-    assert "position table's mean (first 16 rows) kept in the embeddings" in stdout
-    with torch.no_grad():
-        converted = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    bert(transformers.BertForMaskedLM).save_pretrained(tmp_path / "src")
+    line = "position table's mean (first 16 rows) kept in the embeddings"
+    check_cli_convert(tmp_path / "src", tmp_path / "out", ("--position-mean", "16"), line, model, ids, capsys)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from reference import bert_reference_logits
-from sharing import run_cli
+from sharing import check_cli_convert
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
@@ -101,14 +101,8 @@ def test_saved_checkpoint_and_the_cli_rebuild_the_same_model(tmp_path, capsys):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
     bert().save_pretrained(tmp_path / "src")
-    flag = ("--table-max-wavelength", "10")
-    code, _, err = run_cli("convert", tmp_path / "src", tmp_path / "out", *flag, capsys=capsys)
-    assert code == 0, err
-    code, stdout, _ = run_cli("info", tmp_path / "out", capsys=capsys)
-    assert "position table's wavelengths <= 10 kept (40 rows, repeated)" in stdout
-    with torch.no_grad():
-        converted = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
-        torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    line = "position table's wavelengths <= 10 kept (40 rows, repeated)"
+    check_cli_convert(tmp_path / "src", tmp_path / "out", ("--table-max-wavelength", "10"), line, model, ids, capsys)
 
 
 def test_the_preset_keeps_every_wavelength_of_the_table_on_encoders_only():
