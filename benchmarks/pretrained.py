@@ -85,14 +85,15 @@ def parse_arm(text: str) -> Arm:
         key = key.strip()
         if key == "sinks":
             options[key] = int(value)
-        elif key in FLOAT_OPTIONS or key == "fit":
+        elif key in FLOAT_OPTIONS or key in ("fit", "yarn"):
             options[key] = float(value)
         elif key == "preset":
             options[key] = value.strip()
         else:
             raise SystemExit(
                 f"--arm {text!r}: unknown option {key!r}; use original, yarn:F, paper, pretrained or "
-                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset, fit (fit_slopes' scale)."
+                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset, fit (fit_slopes' scale), "
+                "yarn (YaRN's factor on the rotary the conversion keeps)."
             )
     return Arm(text, "alibi", options)
 
@@ -130,10 +131,10 @@ def rope_theta(config) -> float:
 
 def load(folder: str, arm: Arm, native: int) -> torch.nn.Module:
     """The checkpoint as this arm runs it, fp32, SDPA, eval mode."""
-    kwargs = {}
-    if arm.kind == "yarn":
+    kwargs, options = {}, dict(arm.options)
+    factor = options.pop("factor" if arm.kind == "yarn" else "yarn", None)
+    if factor is not None:  # a YaRN arm, or a conversion of the YaRN-scaled model (alibi arm's yarn=F)
         config = AutoConfig.from_pretrained(folder)
-        factor = arm.options["factor"]
         kwargs["rope_parameters"] = {
             "rope_type": "yarn",
             "factor": factor,
@@ -143,7 +144,7 @@ def load(folder: str, arm: Arm, native: int) -> torch.nn.Module:
         kwargs["max_position_embeddings"] = int(native * factor)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     if arm.kind == "alibi":
-        hf_alibi.patch_model(model, **arm.options)
+        hf_alibi.patch_model(model, **options)
     return model.eval()
 
 
@@ -312,6 +313,8 @@ def conversion_options(options: dict):
 
 def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[torch.nn.Module, dict]:
     """The arm's conversion after ``--recover_steps`` of ``recover()`` from the original, and its totals."""
+    if "yarn" in arm.options:
+        raise SystemExit(f"--arm {arm.name!r}: yarn=F conversions are measured untrained only; drop --recover_steps.")
     teacher = load(folder, Arm("original", "original"), native)
     need = args.recover_steps * args.recover_batch * args.recover_length
     start = max(args.eval_tokens, args.position_tokens)

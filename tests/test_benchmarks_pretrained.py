@@ -144,3 +144,27 @@ def test_text_defaults_to_the_pydoc_prose_and_a_missing_file_is_one_line(tmp_pat
     assert bench.read_prose(str(tmp_path / "t.txt")) == "some words"
     with pytest.raises(SystemExit, match=r"--text .*missing.txt: no such file"):
         bench.read_prose(str(tmp_path / "missing.txt"))
+
+
+def test_a_yarn_conversion_arm_keeps_the_yarn_scaled_frequencies(tmp_path):
+    _llama().save_pretrained(tmp_path)
+    arm = bench.parse_arm("preset=pretrained,yarn=2")
+    assert arm.options == {"preset": "pretrained", "yarn": 2.0}
+    converted = bench.load(str(tmp_path), arm, 32)
+    yarn = bench.load(str(tmp_path), bench.parse_arm("yarn:2"), 32)  # YaRN alone, the same factor
+    x, positions = torch.zeros(1, 1, 8), torch.arange(100)[None]
+    with torch.no_grad():
+        (cos, sin), (yarn_cos, yarn_sin) = (
+            converted.model.rotary_emb(x, positions),
+            yarn.model.rotary_emb(x, positions),
+        )
+        plain_cos, _ = _llama().model.rotary_emb(x, positions)
+    kept = converted.model.rotary_emb.kept
+    assert (
+        kept.any()
+        and torch.equal(cos[..., kept], yarn_cos[..., kept])
+        and torch.equal(sin[..., kept], yarn_sin[..., kept])
+    )
+    assert not torch.allclose(cos[..., kept], plain_cos[..., kept])  # YaRN moved them
+    with pytest.raises(SystemExit, match="measured untrained only"):
+        bench.recovered(str(tmp_path), arm, 32, None, None)
