@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from ..core.config import get_settings
 from .introspection import position_table
 
 
@@ -22,6 +23,12 @@ class PositionWarmStart:
             raise ValueError(
                 f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
                 "(rotary or relative positions). Use warm_start_steps=0."
+            )
+        kept = getattr(get_settings(student.config), "table_max_wavelength", None)
+        if kept is not None:
+            raise ValueError(
+                "warm_start_steps would add the position table a second time: the student keeps it "
+                f"(table_max_wavelength={kept:g}). Use warm_start_steps=0, or convert with table_max_wavelength=0."
             )
         module, self.offset = table
         self.weight = module.weight.detach().clone()

@@ -233,6 +233,20 @@ def test_warm_start_needs_a_position_table():
         )
 
 
+def test_warm_start_refuses_a_student_that_keeps_the_table():
+    from hf_alibi.recover import PositionWarmStart
+
+    teacher = transformers.BertForMaskedLM(
+        transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                vocab_size=VOCAB, max_position_embeddings=16)
+    )  # fmt: skip
+    student = hf_alibi.patch_model(copy.deepcopy(teacher), preset="pretrained")  # keeps the table's wavelengths
+    with pytest.raises(ValueError, match="warm_start_steps would add the position table a second time"):
+        PositionWarmStart(student, teacher, steps=4)
+    plain = hf_alibi.patch_model(copy.deepcopy(teacher), preset="pretrained", table_max_wavelength=0)
+    PositionWarmStart(plain, teacher, steps=4).remove()  # the table removed: the lever applies
+
+
 def test_warm_start_fades_the_original_table_to_zero():
     from hf_alibi.recover import PositionWarmStart
 
