@@ -73,22 +73,21 @@ def resolve_options(
     """
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} (or None: the paper's method).")
-    values = {"sinks": 0, "rotary_max_wavelength": None, "slope_scale": 1.0, "position_mean": 0, "slopes": None}
-    values["table_max_wavelength"] = None
+    values = {
+        "sinks": 0, "rotary_max_wavelength": None, "slope_scale": 1.0, "position_mean": 0, "slopes": None,
+        "table_max_wavelength": None,
+    }  # fmt: skip
     values.update(PRESETS.get(preset, {}))
     if row.strategy != "absolute":
         values["position_mean"] = 0
     if not sinks_fit(config):
         values["sinks"] = 0  # not built there yet (an explicit value is refused): a preset leaves them out
-    bound = values["rotary_max_wavelength"]
-    if isinstance(bound, OriginalLength):
-        length = getattr(config, "max_position_embeddings", None)
-        values["rotary_max_wavelength"] = bound.times * length if row.strategy == "rotary" and length else None
-    bound = values["table_max_wavelength"]
-    if isinstance(bound, OriginalLength):
-        length = getattr(config, "max_position_embeddings", None)
-        encoder_table = row.strategy == "absolute" and row.bidirectional and length
-        values["table_max_wavelength"] = bound.times * length if encoder_table else None
+    length = getattr(config, "max_position_embeddings", None)
+    applies = {"rotary_max_wavelength": row.strategy == "rotary", "table_max_wavelength": row.strategy == "absolute"}
+    applies["table_max_wavelength"] &= row.bidirectional  # encoders' tables only
+    for name, here in applies.items():  # a preset's bound: a multiple of the length, where the row has the path
+        if isinstance(values[name], OriginalLength):
+            values[name] = values[name].times * length if here and length else None
     explicit = dict(
         sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale, slopes=slopes,
         position_mean=position_mean, table_max_wavelength=table_max_wavelength,

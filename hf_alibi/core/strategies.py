@@ -213,6 +213,7 @@ def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: floa
             if isinstance(table, RetainedTable):
                 continue
             first, own_rows = table_rows(table)
+            rows = rows or own_rows  # settings made by hand may leave the count to the table
             source = table.weight if own_rows == rows else None  # a model being rebuilt: the weights load later
             setattr(parent, name, RetainedTable(rows, table.weight.shape[1], max_wavelength, first, source))
             if isinstance(getattr(parent, "token_type_ids", None), torch.Tensor):
