@@ -83,8 +83,10 @@ def resolve_options(
     if not sinks_fit(config):
         values["sinks"] = 0  # not built there yet (an explicit value is refused): a preset leaves them out
     length = getattr(config, "max_position_embeddings", None)
-    applies = {"rotary_max_wavelength": row.strategy == "rotary", "table_max_wavelength": row.strategy == "absolute"}
-    applies["table_max_wavelength"] &= row.bidirectional  # encoders' tables only
+    applies = {
+        "rotary_max_wavelength": row.strategy == "rotary",
+        "table_max_wavelength": row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
+    }
     for name, here in applies.items():  # a preset's bound: a multiple of the length, where the row has the path
         if isinstance(values[name], OriginalLength):
             values[name] = values[name].times * length if here and length else None

@@ -216,12 +216,7 @@ def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: floa
             rows = rows or own_rows  # settings made by hand may leave the count to the table
             source = table.weight if own_rows == rows else None  # a model being rebuilt: the weights load later
             setattr(parent, name, RetainedTable(rows, table.weight.shape[1], max_wavelength, first, source))
-            if isinstance(getattr(parent, "token_type_ids", None), torch.Tensor):
-                parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
-            if isinstance(getattr(parent, "position_ids", None), torch.Tensor) and not hasattr(
-                parent, "create_position_ids_from_input_ids"
-            ):
-                parent.register_forward_pre_hook(_default_positions, with_kwargs=True)
+            _unbounded_defaults(parent, positions=True)
 
 
 def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
@@ -233,8 +228,7 @@ def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
     for path in paths:
         for parent, name, _ in find_modules(base, path):
             setattr(parent, name, NoPositionEmbedding())
-            if isinstance(getattr(parent, "token_type_ids", None), torch.Tensor):
-                parent.register_forward_pre_hook(_default_token_types, with_kwargs=True)
+            _unbounded_defaults(parent)
 
 
 # Where a learned table's owner adds other per-token vectors that can take the table's mean: token types
@@ -296,14 +290,28 @@ def relative(base: nn.Module, paths: tuple[str, ...]) -> None:
                 attention.has_relative_attention_bias = False
 
 
+def _unbounded_defaults(owner: nn.Module, positions: bool = False) -> None:
+    """Where a table's owner (BERT's, RoBERTa's embeddings) makes default inputs from buffers sized by the maximum
+    length, they are made per input instead: token types always, and with ``positions`` the position ids (unless
+    the owner counts them from the input ids itself, as RoBERTa does)."""
+    if isinstance(getattr(owner, "token_type_ids", None), torch.Tensor):
+        owner.register_forward_pre_hook(_default_token_types, with_kwargs=True)
+    if positions and isinstance(getattr(owner, "position_ids", None), torch.Tensor):
+        if not hasattr(owner, "create_position_ids_from_input_ids"):
+            owner.register_forward_pre_hook(_default_positions, with_kwargs=True)
+
+
+def _input_shape(kwargs: dict) -> tuple[torch.Size, torch.device]:
+    """``(batch, length)`` and the device of the input an embeddings module is called with (ids or embeds)."""
+    input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    return (input_ids.shape, input_ids.device) if input_ids is not None else (embeds.shape[:-1], embeds.device)
+
+
 def _default_token_types(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     # The original default gathers from a buffer of length max_position_embeddings; all zeros, of
     # the input's shape, is the same value without the length limit.
     if kwargs.get("token_type_ids") is None:
-        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        shape, device = (
-            (input_ids.shape, input_ids.device) if input_ids is not None else (embeds.shape[:-1], embeds.device)
-        )
+        shape, device = _input_shape(kwargs)
         kwargs["token_type_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
     return args, kwargs
 
@@ -312,10 +320,9 @@ def _default_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     # The original default slices a buffer of length max_position_embeddings: the same count from the
     # cache's length, without the limit.
     if kwargs.get("position_ids") is None:
-        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        tokens = input_ids if input_ids is not None else embeds
+        shape, device = _input_shape(kwargs)
         start = kwargs.get("past_key_values_length", 0) or 0
-        kwargs["position_ids"] = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        kwargs["position_ids"] = torch.arange(start, start + shape[1], device=device)[None]
     return args, kwargs
 
 

@@ -24,7 +24,7 @@ class PositionWarmStart:
                 f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
                 "(rotary or relative positions). Use warm_start_steps=0."
             )
-        kept = getattr(get_settings(student.config), "table_max_wavelength", None)
+        kept = get_settings(student.config).table_max_wavelength
         if kept is not None:
             raise ValueError(
                 "warm_start_steps would add the position table a second time: the student keeps it "
