@@ -164,6 +164,25 @@ def register_recorded_outputs(model) -> None:
     _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
+# A model's forward takes its KV cache as ``cache`` from transformers 5.24 on (``past_key_values`` and
+# ``cache_params`` still accepted and renamed inside the forward, after the pre-hooks ran); before, as
+# ``past_key_values``. Checked on 5.23.0 and 5.24.0.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_argument(arguments: dict):
+    """The KV cache among a forward's keyword ``arguments`` under any of its names, else ``None``."""
+    return next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+
+
+def zeros_unless_loaded(tensor: torch.Tensor) -> torch.Tensor:
+    """Zero ``tensor`` unless transformers marked it loaded from a checkpoint: ``transformers.initialization.zeros_``
+    (what ``_init_weights`` must use so that ``from_pretrained`` keeps the loaded values; checked on 5.23 and 5.24)."""
+    from transformers import initialization
+
+    return initialization.zeros_(tensor)
+
+
 def is_exporting() -> bool:
     """True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3)."""
     return torch.compiler.is_compiling()
@@ -174,6 +193,7 @@ __all__ = [
     "AttnImplementationOverride",
     "auto_class_names",
     "base_mask_function",
+    "cache_argument",
     "compiled_flex_attention",
     "cpu_flash_attention",
     "config_class_validators",
@@ -185,6 +205,7 @@ __all__ = [
     "repeat_kv",
     "store_attn_implementation",
     "store_output_attentions",
+    "zeros_unless_loaded",
     "stored_attn_implementation",
     "stored_output_attentions",
 ]

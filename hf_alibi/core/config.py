@@ -26,7 +26,7 @@ from .compat import (
     stored_attn_implementation,
     stored_output_attentions,
 )
-from .names import alibi_name, base_name
+from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, alibi_name, base_name, check_backend
 from .slopes import ENCODER_VARIANTS
 from .version import __version__
 
@@ -322,10 +322,15 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
+        if isinstance(stored, str) and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
+            return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
         return alibi_name(base_name(stored))
 
     def accepted_attn_implementation(self, value):
-        return value if isinstance(value, dict) else base_name(value)
+        if isinstance(value, dict):
+            return value
+        check_backend(value)  # another engine's function would run the model without its bias: refused here
+        return base_name(value)
 
     @property
     def output_attentions(self):

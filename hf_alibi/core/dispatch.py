@@ -22,13 +22,13 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
-from .compat import base_mask_function, is_exporting
+from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .eager import eager_attention_forward
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
-from .mask import bias_mask
-from .names import alibi_name
+from .mask import bias_mask, packed_causal_mask
+from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, alibi_name, check_backend
 from .slopes import CAUSAL
 
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
@@ -96,6 +96,7 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
         alibi.last_path = path
         if path == FOLDED:
+            attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
             starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
             return folded_causal_attention(
                 module, query, key, value, attention_mask, alibi.fixed_slopes(query.device),
@@ -126,11 +127,25 @@ def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> C
     return attention_forward
 
 
+def _refuse_foreign(config) -> None:
+    # the model's config holds a name no hf_alibi path knows (an engine wrote it past the setter): refuse it
+    check_backend(stored_attn_implementation(config))
+    raise ValueError(f"This ALiBi model has no attention implementation it can run. Instead, {WHAT_RUNS}.")
+
+
+def _foreign_backend(module, *args, **kwargs):
+    _refuse_foreign(module.config)
+
+
+def _foreign_mask(*args, config=None, **kwargs):
+    _refuse_foreign(config)  # transformers makes the mask before the first attention layer runs
+
+
 def _unsupported_backend(name: str) -> Callable:
     def forward(*args, **kwargs):
         raise NotImplementedError(
             f"hf_alibi has no ALiBi path for attn_implementation={name!r} yet. "
-            f"Use one of {sorted(BACKENDS) + sorted(NATIVE_BACKENDS)}: model.set_attn_implementation('sdpa')."
+            f"Use one of {sorted(RUNNING_BACKENDS)}: model.set_attn_implementation('sdpa')."
         )
 
     return forward
@@ -146,7 +161,9 @@ NATIVE_BACKENDS: dict[str, Callable] = {
 }
 # transformers' names that hf_alibi knows of but cannot run with ALiBi yet: a clear error
 # instead of transformers' "not a valid attention implementation".
-UNSUPPORTED_BACKENDS = ("flash_attention_3", "flash_attention_4")
+UNSUPPORTED_BACKENDS = REFUSED_BACKENDS
+if set(BACKENDS) | set(NATIVE_BACKENDS) != set(RUNNING_BACKENDS):  # names.py is what the config code checks
+    raise ImportError("hf_alibi: names.RUNNING_BACKENDS must list exactly the backends dispatch.py registers")
 
 
 def register_backends() -> None:
@@ -158,6 +175,8 @@ def register_backends() -> None:
         AttentionInterface.register(alibi_name(name), make_native_attention(attention, name))
     for name in UNSUPPORTED_BACKENDS:
         AttentionInterface.register(alibi_name(name), _unsupported_backend(name))
+    AttentionInterface.register(alibi_name(FOREIGN), _foreign_backend)
+    AttentionMaskInterface.register(alibi_name(FOREIGN), _foreign_mask)
     for name in (*NATIVE_BACKENDS, *UNSUPPORTED_BACKENDS):
         mask = base_mask_function(name)
         if mask is not None:

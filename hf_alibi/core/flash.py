@@ -6,7 +6,24 @@ import torch
 from torch import nn
 
 from .compat import flash_padding_helpers
+from .packing import cumulative_lengths, same_document
 from .slopes import CAUSAL, SYMMETRIC
+
+
+def flash_kernels(device: torch.device) -> tuple:
+    """flash-attn's ``(flash_attn_func, flash_attn_varlen_func)`` for tensors on ``device``; a one-line error
+    where flash-attn is missing or ``device`` is not CUDA (it has no other kernels). The one place that
+    finds the kernels: the tests put a CPU stand-in written from flash-attn's documented contract here."""
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as error:
+        raise ImportError(
+            "attn_implementation='flash_attention_2' with ALiBi needs flash-attn >= 2.4 (pip install flash-attn) "
+            "and a CUDA GPU; otherwise use model.set_attn_implementation('sdpa')."
+        ) from error
+    if device.type != "cuda":
+        raise RuntimeError("flash-attn runs on CUDA only: use model.set_attn_implementation('sdpa') on this device.")
+    return flash_attn_func, flash_attn_varlen_func
 
 
 def flash_alibi_attention(
@@ -24,7 +41,9 @@ def flash_alibi_attention(
     """ALiBi with flash-attn >= 2.4's ``alibi_slopes`` (bias ``-m |i + Lk - Lq - j|``, fp16/bf16, CUDA).
 
     ``attention_mask`` is transformers' 2D padding mask for flash attention (or ``None``); padded
-    batches go through ``flash_attn_varlen_func``. Only the causal and symmetric forms exist there.
+    batches go through ``flash_attn_varlen_func``, and so do packed rows (one sequence per document:
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` where the caller gives them, else from the recorded documents).
+    Only the causal and symmetric forms exist there.
     ``sliding_window`` becomes flash-attn's ``window_size`` and ``softcap`` its ``softcap`` (applied
     before the bias, as on the other paths).
     """
@@ -40,15 +59,7 @@ def flash_alibi_attention(
             f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
             "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
         )
-    try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-    except ImportError as error:
-        raise ImportError(
-            "attn_implementation='flash_attention_2' with ALiBi needs flash-attn >= 2.4 (pip install flash-attn) "
-            "and a CUDA GPU; otherwise use model.set_attn_implementation('sdpa')."
-        ) from error
-    if query.device.type != "cuda":
-        raise RuntimeError("flash-attn runs on CUDA only: use model.set_attn_implementation('sdpa') on this device.")
+    flash_attn_func, flash_attn_varlen_func = flash_kernels(query.device)
     upad_input, unpad_input, pad_input = flash_padding_helpers()
 
     if not module.training:
@@ -63,7 +74,19 @@ def flash_alibi_attention(
         options["window_size"] = (sliding_window - 1, sliding_window - 1)  # as transformers' flash path
     if softcap is not None:
         options["softcap"] = softcap
-    if attention_mask is None:
+    documents = alibi.masks.documents()
+    cu_given = kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+    if attention_mask is None and (documents is not None or cu_given):  # a packed row: one sequence a document
+        if cu_given:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) and TRL give them
+            cu_q, cu_k = (kwargs[f"cu_seq_lens_{side}"].to(device=q.device, dtype=torch.int32) for side in "qk")
+            max_q, max_k = (int(cu.diff().max()) for cu in (cu_q, cu_k))
+        else:
+            same_document(documents, q_len, k.shape[1])  # checks the lengths
+            cu_q, max_q = cumulative_lengths(documents.to(q.device), batch)
+            cu_k, max_k = cu_q, max_q
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # (B * L, H, D)
+        output = flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).reshape(batch, q_len, *q.shape[2:])
+    elif attention_mask is None:
         output = flash_attn_func(q, k, v, **options)
     else:
         q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = upad_input(q, k, v, attention_mask, q_len, unpad_input)

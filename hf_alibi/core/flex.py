@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .compat import compiled_flex_attention, repeat_kv
+from .packing import same_document
 from .slopes import CAUSAL, LEARNED, NONSYMMETRIC
 
 
@@ -30,10 +31,13 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
     def capped(score):
         return score if softcap is None else torch.tanh(score / softcap) * softcap
 
-    def exempt(bias, b, key):  # sinks: bias 0 on the first `sinks` real keys of row b
+    per_key = starts.dim() == 2  # a packed row: each key's document start
+
+    def exempt(bias, b, key):  # sinks: bias 0 on the first `sinks` real keys of row b (of each document)
         if not sinks:
             return bias
-        start = starts[0] if first_row else starts[b]
+        row = starts[0] if first_row else starts[b]
+        start = row[key] if per_key else row
         return torch.where((key >= start) & (key < start + sinks), 0.0, bias)
 
     if kind == LEARNED:
@@ -101,6 +105,15 @@ def flex_alibi_attention(
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return inner(score, b, h, q_idx, kv_idx) + extra[b, 0, q_idx, kv_idx]
+
+    documents = alibi.masks.documents()
+    if documents is not None:  # a packed row: each query sees the keys of its own document only
+        same_document(documents, q_len, kv_len)  # checks the lengths
+        documents, inner_mod = documents.to(query.device), score_mod
+        row = (lambda b: documents[0]) if documents.shape[0] == 1 else (lambda b: documents[b])
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(row(b)[q_idx] == row(b)[kv_idx], inner_mod(score, b, h, q_idx, kv_idx), -float("inf"))
 
     if key.shape[1] != query.shape[1]:
         key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // key.shape[1])

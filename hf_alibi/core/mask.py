@@ -7,6 +7,7 @@ import threading
 import torch
 
 from .compat import is_exporting
+from .packing import same_document
 from .slopes import LEARNED
 
 
@@ -26,6 +27,23 @@ def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None,
     else:
         merged = (bias + attention_mask.float()).clamp_min(masked_value)
     return merged.to(dtype)
+
+
+def separate_documents(
+    mask: torch.Tensor | None, starts: torch.Tensor, q_len: int, kv_len: int, causal: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """``mask`` (``None``, boolean or additive in ``dtype``) with every query kept to the keys of its own
+    document (``starts``: :func:`packing.document_starts`), and causal where ``causal`` (a ``None`` mask
+    meant causality). Boolean unless ``mask`` is additive; masked entries of an additive one are ``finfo.min``.
+    """
+    allowed = same_document(starts, q_len, kv_len)  # (B|1, 1, q, kv)
+    if causal:
+        allowed = allowed & torch.ones(q_len, kv_len, dtype=torch.bool, device=starts.device).tril()
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return allowed & mask
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class MaskCache:
@@ -57,6 +75,9 @@ class MaskCache:
         self._entries: dict[int, list[tuple]] = {}
         # thread id -> (row starts (B,) or None, the sequence's end or None): set per forward for sinks
         self._rows: dict[int, tuple] = {}
+        # thread id -> each token's document start (B|1, L) in a packed row: set per forward (packing.py)
+        self._documents: dict[int, torch.Tensor] = {}
+        self._traced_documents: torch.Tensor | None = None  # the same while torch.compile / export traces
         self.builds = 0  # how many masks were built (tests count them)
 
     def __deepcopy__(self, memo) -> MaskCache:
@@ -75,17 +96,29 @@ class MaskCache:
         return entries[-1][2] if entries else None
 
     def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The merged mask (bias + transformers' mask + the packed row's documents) for this layer's call."""
         dtype, device, q_len = query.dtype, query.device, query.shape[2]
         # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
         # the slopes too: layers share a mask only where they share slopes (per-layer slopes build one each)
         key = (alibi.kind, alibi.slope_values, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
+        return self._cached(key, attention_mask, lambda: _merged(alibi, query, kv_len, attention_mask))
+
+    def packed(self, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The causal mask of the recorded packed row, with transformers' mask (the fold's mask there)."""
+        key = ("documents", query.shape[2], kv_len, query.device, query.dtype, torch.is_inference_mode_enabled())
+        starts = self.documents()
+        return self._cached(
+            key, attention_mask,
+            lambda: separate_documents(attention_mask, starts, query.shape[2], kv_len, True, query.dtype),
+        )  # fmt: skip
+
+    def _cached(self, key: tuple, attention_mask, build) -> torch.Tensor:
         thread = threading.get_ident()
         entries = self._entries.get(thread, [])
         for entry in entries:
             if entry[0] == key and entry[1] is attention_mask:
                 return entry[2]
-        bias = alibi(q_len, kv_len, device, torch.finfo(dtype).min)  # (1, H, q, kv) fp32
-        merged = merge_bias_and_mask(bias, attention_mask, dtype)
+        merged = build()
         self.builds += 1
         # a new list, assigned whole: another thread reading this one's entries never sees it half-made
         self._entries[thread] = [*entries[-(self.MAX_ENTRIES - 1) :], (key, attention_mask, merged)]
@@ -100,21 +133,63 @@ class MaskCache:
         """What :meth:`set_rows` recorded for the calling thread's forward, else ``(None, None)``."""
         return self._rows.get(threading.get_ident(), (None, None))
 
+    def set_documents(self, starts: torch.Tensor | None) -> None:
+        """Each token's document start in the calling thread's packed forward (``None``: not packed).
+
+        While traced, one attribute instead of the per-thread table (dynamo cannot trace ``threading``; a
+        traced graph takes the starts as one of its own values, shared by no other call)."""
+        if is_exporting():
+            self._traced_documents = starts
+        elif starts is None:
+            self._documents.pop(threading.get_ident(), None)
+        else:
+            self._documents[threading.get_ident()] = starts
+
+    def documents(self) -> torch.Tensor | None:
+        """What :meth:`set_documents` recorded for the calling thread's forward (traced: what was recorded
+        by the trace's own forward)."""
+        if is_exporting():
+            return self._traced_documents
+        return self._documents.get(threading.get_ident())
+
     def release(self, *_args, **_kwargs) -> None:
         """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
+            self._traced_documents = None
             return
         self._entries.pop(threading.get_ident(), None)
         self._rows.pop(threading.get_ident(), None)
+        self._documents.pop(threading.get_ident(), None)
+
+
+def _merged(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    dtype, q_len = query.dtype, query.shape[2]
+    bias = alibi(q_len, kv_len, query.device, torch.finfo(dtype).min)  # (1 or B, H, q, kv) fp32
+    merged = merge_bias_and_mask(bias, attention_mask, dtype)
+    starts = alibi.masks.documents()
+    if starts is not None:  # a packed row: each query sees its own document (the bias holds causality)
+        merged = separate_documents(merged, starts, q_len, kv_len, False, dtype)
+    return merged
 
 
 def bias_mask(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Bias + transformers' mask as one additive float mask in the query's dtype, ``(1 or B, H, q, kv)``.
+    """Bias + transformers' mask (+ a packed row's documents) as one additive float mask in the query's dtype,
+    ``(1 or B, H, q, kv)``.
 
     Shared through the model's :class:`MaskCache` in eager mode; built here per layer for the learned
     form (its own slopes) and while torch.compile / torch.export traces (no cache in a graph).
     """
     if alibi.kind == LEARNED or is_exporting():
-        bias = alibi(query.shape[2], kv_len, query.device, torch.finfo(query.dtype).min)
-        return merge_bias_and_mask(bias, attention_mask, query.dtype)
+        return _merged(alibi, query, kv_len, attention_mask)
     return alibi.masks.get(alibi, query, kv_len, attention_mask)
+
+
+def packed_causal_mask(masks: MaskCache, query: torch.Tensor, kv_len: int, attention_mask) -> torch.Tensor | None:
+    """The fold's mask: transformers' mask, or with a packed row recorded (``masks.documents()``) that mask
+    kept causal inside each document (boolean, or additive where transformers' is); shared per forward."""
+    starts = masks.documents()
+    if starts is None:
+        return attention_mask
+    if is_exporting():
+        return separate_documents(attention_mask, starts, query.shape[2], kv_len, True, query.dtype)
+    return masks.packed(query, kv_len, attention_mask)

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .architectures import Architecture, check_strategy, find_architecture
 from .bias import AlibiBias
-from .compat import register_recorded_outputs
+from .compat import cache_argument, is_exporting, register_recorded_outputs, zeros_unless_loaded
 from .config import (
     AlibiConfigMixin,
     AlibiSettings,
@@ -24,8 +24,10 @@ from .config import (
     rebind_config,
 )
 from .mask import MaskCache
+from .names import check_backend
+from .packing import document_starts, is_packed
 from .slopes import CAUSAL, scaled_slopes_list
-from .strategies import STRATEGIES, find_modules, retained_table, rotary
+from .strategies import STRATEGIES, RetainedTable, find_modules, retained_table, rotary
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -45,7 +47,8 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     """The conversion proper, on a model whose config is already ALiBi: the row's strategy removes the
     position path, every self-attention module at the row's ``attention`` paths gets an ``AlibiBias``
     (causal, or the encoder variant where the row is bidirectional and the module is not causal),
-    position ids are dropped, and the layers share one mask cache for the length of a forward."""
+    position ids are dropped unless they describe a packed row (whose documents are recorded, see
+    ``packing.py``), and the layers share one mask cache for the length of a forward."""
     check_strategy(row)
     check_sinks_fit(model.config, settings)
     base = model.base_model
@@ -65,13 +68,30 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
         kind = CAUSAL if causal else settings.encoder_variant
         attention.alibi = AlibiBias(kind, settings.heads, masks=masks, slopes=layer_slopes, sinks=settings.sinks)
     _alibi_sub_configs(model)
+    if any(isinstance(m, RetainedTable) for m in base.modules()):
+        _init_retained_tables(model)
     # On the base model and on the model itself: some task heads run the base's inner stack directly
     # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
     for module in dict.fromkeys([base, model]):
-        module.register_forward_pre_hook(_drop_position_ids, with_kwargs=True)
+        module.register_forward_pre_hook(partial(_read_position_ids, masks), with_kwargs=True)
         if settings.sinks:
             module.register_forward_pre_hook(partial(_record_rows, masks), with_kwargs=True)
         module.register_forward_hook(masks.release)  # the shared masks live for one forward only
+
+
+def _init_retained_tables(model: PreTrainedModel) -> None:
+    # init_weights() after a meta-device build (FSDP, init_empty_weights) runs the _init_weights of the nearest
+    # PreTrainedModel around each module, the base model's for the table: each instance's gets the table too,
+    # with the value a build from the config has (zeros until the weights load; loaded values are kept)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and "_init_weights" not in vars(module):
+            module._init_weights = partial(_init_weights_and_tables, module._init_weights)
+
+
+def _init_weights_and_tables(init_weights, module: nn.Module) -> None:
+    init_weights(module)
+    if isinstance(module, RetainedTable):
+        zeros_unless_loaded(module.table)
 
 
 def self_attentions(base: nn.Module, row: Architecture) -> list[nn.Module]:
@@ -123,15 +143,11 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
     # Sinks are the first real tokens of each row: where the 2D padding mask's ones start (left
     # padding), and the sequence's end (the mask's length: past + new tokens), which places the keys
     # of static caches (more slots than tokens) and sliding caches (fewer). Recorded for this forward.
-    values = kwargs
-    if "attention_mask" not in kwargs and args:  # passed by position: bind to the forward's signature
-        signature = _FORWARD_SIGNATURES.get(type(module))
-        if signature is None:
-            signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(type(module).forward)
-        try:
-            values = {**signature.bind_partial(module, *args, **kwargs).arguments, **kwargs}
-        except TypeError:
-            values = kwargs
+    documents = masks.documents()
+    if documents is not None:  # a packed row: the first tokens of each document (packing.py)
+        masks.set_rows(documents, None)
+        return
+    values = kwargs if "attention_mask" in kwargs else _bound_arguments(module, args, kwargs)
     mask = values.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
@@ -152,7 +168,7 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
         starts = allowed.any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
     tokens = values.get("input_ids")
     tokens = tokens if tokens is not None else values.get("inputs_embeds")
-    cache = values.get("past_key_values")
+    cache = cache_argument(values)
     if tokens is not None and cache is not None and hasattr(cache, "get_seq_length"):
         end = int(cache.get_seq_length()) + tokens.shape[1]
     masks.set_rows(starts, end)
@@ -187,12 +203,38 @@ def _alibi_sub_configs(model: PreTrainedModel) -> None:
         module.config = copies[id(old)]
 
 
-def _drop_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    # ALiBi has no position index: position ids would only reach transformers' packed-sequence
-    # detection and change the mask, so they are dropped before the base model sees them.
-    if kwargs.get("position_ids") is not None:
-        kwargs["position_ids"] = None
+def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # ALiBi has no position index, so position ids are dropped, with one exception: ids that restart at the
+    # row's first id, with no attention mask and no cache to continue, are a packed row (transformers'
+    # padding-free format). Its documents are recorded for this forward (every attention path keeps them apart, sinks
+    # follow them) and the ids are kept (a retained table or rotary reads positions inside each document).
+    position_ids = kwargs.get("position_ids")
+    starts = None
+    if position_ids is not None:
+        values = _bound_arguments(module, args, kwargs)
+        cache = cache_argument(values)
+        fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
+        if values.get("attention_mask") is None and fresh:
+            starts = document_starts(position_ids)
+            if not is_exporting() and not is_packed(starts):
+                starts = None
+        if starts is None:
+            kwargs["position_ids"] = None
+    masks.set_documents(starts)
     return args, kwargs
+
+
+def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    # The forward's arguments by name, those passed by position included (bound to the forward's signature).
+    if not args:
+        return kwargs
+    signature = _FORWARD_SIGNATURES.get(type(module))
+    if signature is None:
+        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(type(module).forward)
+    try:
+        return {**signature.bind_partial(module, *args, **kwargs).arguments, **kwargs}
+    except TypeError:
+        return kwargs
 
 
 @contextmanager
@@ -229,13 +271,26 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
             base_cls.__init__(self, config, *args, **kwargs)
         apply(self, settings, row)
 
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # transformers writes the stored name past the config's setter: check it first, so a refused name
+        # leaves the model as it was
+        names = attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]
+        for name in names:
+            if isinstance(name, str):
+                check_backend(name)
+        return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+
     name = "Alibi" + base_cls.__name__
     cls = type(
         name,
         (*bases, base_cls),
         {
             "__init__": __init__,
+            "set_attn_implementation": set_attn_implementation,
             "config_class": config_cls,
+            # engines that run transformers models through their own attention function (vLLM's and SGLang's
+            # transformers backends) check this: theirs would drop the bias, so they refuse with their message
+            "_supports_attention_backend": False,
             "__module__": module,
             "__qualname__": name,
             "__doc__": f"{base_cls.__name__} with ALiBi instead of position embeddings (made by hf_alibi).",

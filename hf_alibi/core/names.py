@@ -5,6 +5,17 @@ backends without importing them."""
 from __future__ import annotations
 
 LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
+# transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known
+# by name but refused when called; any other name is refused when set (:func:`check_backend`)
+RUNNING_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+REFUSED_BACKENDS = ("flash_attention_3", "flash_attention_4")
+# what a stored name that no hf_alibi path knows is dispatched to (an engine that wrote it past the setter)
+FOREIGN = "foreign"
+WHAT_RUNS = (
+    f"a converted model runs with attn_implementation {', '.join(repr(b) for b in RUNNING_BACKENDS)} in "
+    "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), or in llama.cpp and what is built on "
+    "it after `hf-alibi export-gguf`"
+)
 # this copy's prefix: the library's own core, or the remote code a checkpoint carries
 PREFIX = LIBRARY_PREFIX if __name__.startswith("hf_alibi.") else REMOTE_PREFIX
 
@@ -29,3 +40,19 @@ def base_name(name: str | None) -> str | None:
     if name is None:
         return None
     return name.removeprefix(REMOTE_PREFIX).removeprefix(LIBRARY_PREFIX)
+
+
+def check_backend(name: str | None) -> None:
+    """One-line ``ValueError`` for an attention implementation with no ALiBi path (another engine's function, a
+    hub kernel, a future backend): it would run the model without its position bias.
+
+    >>> check_backend("vllm")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ValueError: ...
+    """
+    if name is None or base_name(name) in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
+        return
+    raise ValueError(
+        f"This ALiBi model cannot run with attn_implementation={base_name(name)!r}: hf_alibi has no ALiBi path for "
+        f"it, and without one it would run without its position bias. Instead, {WHAT_RUNS}."
+    )

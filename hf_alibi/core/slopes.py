@@ -84,7 +84,8 @@ def sink_keys(
 ) -> torch.Tensor:
     """Which keys are sinks, bool ``(B or 1, 1, 1, kv_len)``: the first ``sinks`` real tokens of each row.
 
-    ``starts`` (``(B,)``, or ``None`` for 0) is where each row's real tokens begin (left padding);
+    ``starts`` (``(B,)``, or ``None`` for 0) is where each row's real tokens begin (left padding), or
+    ``(B|1, kv_len)``: where each key's document begins (a packed row, see ``packing.py``);
     key ``j`` sits at absolute position ``j + max(0, end - kv_len)`` (see :func:`relative_distance`).
 
     >>> sink_keys(4, 2, torch.tensor([0, 1]), None)[:, 0, 0]
@@ -94,7 +95,7 @@ def sink_keys(
     end = kv_len if end is None else end
     key_pos = torch.arange(kv_len, device=device) + max(0, end - kv_len)
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
-    starts = starts[:, None]  # (B, 1)
+    starts = starts[:, None] if starts.dim() == 1 else starts  # (B, 1), or (B|1, kv) per key
     return ((key_pos >= starts) & (key_pos < starts + sinks))[:, None, None, :]
 
 
