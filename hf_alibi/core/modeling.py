@@ -280,6 +280,14 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
                 check_backend(name)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        # generate_batch, continuous_batching_context_manager and `transformers serve --continuous-batching` start
+        # here; its paged attention has no ALiBi path yet (transformers' own refusal would say to use 'sdpa')
+        raise NotImplementedError(
+            "Continuous batching (generate_batch, transformers serve --continuous-batching) has no ALiBi path: "
+            "use model.generate() on a padded batch, or llama.cpp after `hf-alibi export-gguf`."
+        )
+
     name = "Alibi" + base_cls.__name__
     cls = type(
         name,
@@ -287,6 +295,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
         {
             "__init__": __init__,
             "set_attn_implementation": set_attn_implementation,
+            "init_continuous_batching": init_continuous_batching,
             "config_class": config_cls,
             # engines that run transformers models through their own attention function (vLLM's and SGLang's
             # transformers backends) check this: theirs would drop the bias, so they refuse with their message

@@ -79,3 +79,14 @@ def test_reloading_with_the_reported_name_keeps_the_backend(tmp_path):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_continuous_batching_is_refused_in_one_line():
+    case = next(c for c in CASES if c.name == "llama")
+    model = hf_alibi.patch_model(case.make())
+    with pytest.raises(NotImplementedError) as caught:
+        model.generate_batch(inputs=[[3, 4, 5]], max_new_tokens=2)
+    assert "\n" not in str(caught.value) and "generate()" in str(caught.value)
+    with pytest.raises(NotImplementedError):
+        with model.continuous_batching_context_manager():
+            pass
