@@ -11,6 +11,10 @@ column is the ALiBi model on ``flex_attention`` (forward only: torch has no Flex
 CPU, and its CPU kernel is the unfused one). ``--dtype bf16`` / ``fp16`` casts every model (weights
 and activations) to that dtype: the automatic path is then the half-precision fold.
 
+The header names the processor and whether subnormal floats are slow on it (ALiBi's far keys make the
+attention kernels compute them; hf_alibi flushes them to zero inside its kernels, see
+hf_alibi/core/denormals.py). ``HF_ALIBI_FLUSH_DENORMALS=0`` turns that off, to measure what it saves.
+
 Threads: 1 by default. On a machine shared with other jobs, two OpenMP threads wait on each other
 at every op (steps ran 3 to 6 times slower and ratios moved by +-30%); one thread does not.
 
@@ -262,6 +266,58 @@ def compare_constructions(args) -> None:
         )
 
 
+def processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def subnormal_penalty(repeats: int = 9) -> float:
+    """SDPA forward + backward with a steep ALiBi row as mask (the far keys' weights are subnormal), without /
+    with flush-to-zero on every thread (hf_alibi's scope, denormals.py): about 1.0 where subnormals cost nothing,
+    up to 2 where the processor computes them in microcode. Interleaved, median of ``repeats``."""
+    from hf_alibi.core import denormals
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g, requires_grad=True) for _ in range(3))
+    row = (torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None] * torch.arange(1024.0)).view(1, 4, 1, 1024)
+
+    def step() -> float:
+        start = time.perf_counter()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=row, is_causal=True)
+        out.sum().backward()
+        return time.perf_counter() - start
+
+    def flushed_step() -> float:
+        with denormals.flushed(q):
+            return step()
+
+    times = {"plain": [], "flushed": []}
+    step(), flushed_step()  # warm up
+    for _ in range(repeats):
+        times["plain"].append(step())
+        times["flushed"].append(flushed_step())
+    return statistics.median(times["plain"]) / statistics.median(times["flushed"])
+
+
+def machine_line() -> str:
+    from hf_alibi.core import denormals
+
+    if not denormals.available():
+        return f"# {processor()}: hf_alibi cannot scope flush-to-zero here (not x86-64 Linux with GNU OpenMP)"
+    penalty = subnormal_penalty()
+    verdict = "SLOW (hf_alibi flushes them in its kernels)" if penalty > 1.15 else "not slow"
+    switch = os.environ.get("HF_ALIBI_FLUSH_DENORMALS", "1") != "0"
+    return (
+        f"# {processor()}: subnormals {verdict}: the kernel with ALiBi's far keys takes {penalty:.2f}x its time "
+        f"with flush-to-zero; hf_alibi's flush {'on' if switch else 'OFF (HF_ALIBI_FLUSH_DENORMALS=0)'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every registered one with a builder)")
@@ -301,6 +357,7 @@ def main() -> None:
         f"{args.attn}, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
         f"{args.dtype}, median of {args.repeats}, interleaved; hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
     )
+    print(machine_line())  # a figure read off another processor may not hold here (subnormals)
     if args.constructions:
         compare_constructions(args)
         return

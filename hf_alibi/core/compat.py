@@ -175,6 +175,15 @@ def cache_argument(arguments: dict):
     return next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
 
 
+def torch_openmp_library() -> str | None:
+    """The GNU OpenMP runtime torch's CPU kernels run their threads on: the ``libgomp.so.1`` that Linux wheels
+    bundle in ``torch/lib`` (checked on torch 2.13 CPU), or ``None`` (another runtime, another layout)."""
+    import os
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    return path if os.path.exists(path) and "OpenMP" in torch.__config__.parallel_info() else None
+
+
 def zeros_unless_loaded(tensor: torch.Tensor) -> torch.Tensor:
     """Zero ``tensor`` unless transformers marked it loaded from a checkpoint: ``transformers.initialization.zeros_``
     (what ``_init_weights`` must use so that ``from_pretrained`` keeps the loaded values; checked on 5.23 and 5.24)."""
@@ -205,6 +214,7 @@ __all__ = [
     "repeat_kv",
     "store_attn_implementation",
     "store_output_attentions",
+    "torch_openmp_library",
     "zeros_unless_loaded",
     "stored_attn_implementation",
     "stored_output_attentions",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation
+from .denormals import bracket, flushed
 from .eager import eager_attention_forward
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
@@ -98,11 +100,12 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         if path == FOLDED:
             attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
             starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
-            return folded_causal_attention(
-                module, query, key, value, attention_mask, alibi.fixed_slopes(query.device),
-                dropout=kwargs.get("dropout", 0.0), scaling=kwargs.get("scaling"),
-                sinks=alibi.sinks, starts=starts, end=end,
+            run = partial(
+                folded_causal_attention, module, attention_mask=attention_mask,
+                slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
+                scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end,
             )  # fmt: skip
+            return _flushed_kernel(run, query, key, value)
         q_len = query.shape[2]
         if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:
             # transformers' sdpa gives no mask here only when top-left alignment is right (prefill
@@ -111,9 +114,19 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         mask = bias_mask(alibi, query, key.shape[2], attention_mask)
         kwargs.pop("is_causal", None)  # causality is in the mask now
         kwargs.pop("position_bias", None)
-        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
+        run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
+        return _flushed_kernel(run, query, key, value)
 
     return alibi_attention_forward
+
+
+def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    # the kernel, forward and backward, with flush-to-zero on the CPU (denormals.py): ALiBi's far keys would
+    # otherwise make it compute subnormal weights, which many CPUs do in microcode
+    query, key, value, close = bracket(query, key, value)
+    with flushed(query):
+        output, weights = run(query, key, value)
+    return close(output), weights
 
 
 def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> Callable:

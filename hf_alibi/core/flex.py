@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .compat import compiled_flex_attention, repeat_kv
+from .denormals import flushed
 from .packing import same_document
 from .slopes import CAUSAL, LEARNED, NONSYMMETRIC
 
@@ -120,5 +121,6 @@ def flex_alibi_attention(
     # on CPU the eager implementation: torch.compile there needs a C++ toolchain
     run = flex_attention if query.device.type == "cpu" else compiled_flex_attention(module.training)
     alibi.last_path = "flex"
-    output = run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling)
+    with flushed(query):  # the CPU kernel's far-key weights are subnormal (denormals.py); forward only there
+        output = run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling)
     return output.transpose(1, 2).contiguous(), None
