@@ -12,6 +12,7 @@ from .core.dispatch import register_backends
 from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
 from .fit import fit_slopes
+from .gguf import export_gguf
 from .patch import is_alibi_model, patch_model
 from .registry import (
     ARCHITECTURES,
@@ -31,6 +32,7 @@ __all__ = [
     "Architecture",
     "__version__",
     "alibi_bias",
+    "export_gguf",
     "fit_slopes",
     "get_architecture",
     "get_settings",

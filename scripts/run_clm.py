@@ -59,6 +59,7 @@ from hf_alibi.checkpoints import is_alibi, original_length
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.distributed import fsdp_requested, fsdp_requested_but_not_used, is_fsdp2, unsharded_copy
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
+from hf_alibi.gguf import OUTTYPES, check_exportable
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
 
@@ -98,6 +99,10 @@ class ModelArguments:
     distill_attention_only_steps: int = field(
         default=0, metadata={"help": "Train only the attention weights during these first steps."}
     )
+    export_gguf: str | None = field(
+        default=None,
+        metadata={"help": "At the end, write output_dir/model-TYPE.gguf for llama.cpp (TYPE: f32, f16, bf16, q8_0)."},
+    )
 
     def __post_init__(self):
         if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
@@ -108,6 +113,8 @@ class ModelArguments:
             raise ValueError(
                 "--distill_from_original needs --model_name_or_path (the original, the teacher) and --alibi."
             )
+        if self.export_gguf is not None and self.export_gguf not in OUTTYPES:
+            raise ValueError(f"--export_gguf takes one of {', '.join(OUTTYPES)}, got {self.export_gguf!r}.")
 
 
 @dataclass
@@ -332,6 +339,8 @@ def main():
             logger.info(f"Converted to ALiBi: {model.config.alibi}")
     position_limit = original_length(model.config)
     alibi_model = hf_alibi.is_alibi_model(model)
+    if model_args.export_gguf:
+        check_exportable(model)  # before training: a conversion llama.cpp cannot run is refused now
 
     # Tokenize
     column_names = list(raw_datasets["train"].features)
@@ -492,6 +501,14 @@ def main():
             title = f"{name}, trained at {results['train_length']} tokens"
             png = plot_results(results, os.path.join(training_args.output_dir, "ppl_vs_length.png"), title)
             print(f"\nPerplexity against evaluation length ({title}):\n{format_table(results)}\nplot: {png}")
+
+    # llama.cpp: the trained model and its tokenizer as one GGUF file
+    if model_args.export_gguf and training_args.process_index == 0:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = unsharded_copy(model) if is_fsdp2(model) else model
+        out = os.path.join(training_args.output_dir, f"model-{model_args.export_gguf}.gguf")
+        hf_alibi.export_gguf(model, out, outtype=model_args.export_gguf, tokenizer=tokenizer)
+        print(f"\nllama.cpp: {out} (llama-cli -m {out})")
 
 
 if __name__ == "__main__":

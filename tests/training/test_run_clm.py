@@ -69,7 +69,7 @@ def test_run_clm_alibi_embedded_corpus(tmp_path):
     stdout = _run(
         [SCRIPT, *TINY, "--alibi", "--alibi_heads", "4", *COMMON, "--block_size", "64", "--do_train"]
         + ["--train_sequence_length_scaling", "0.5", "--use_cpu", "--output_dir", str(out)]
-        + ["--eval_lengths", "32,64,128", "--max_eval_tokens", "600"],
+        + ["--eval_lengths", "32,64,128", "--max_eval_tokens", "600", "--export_gguf", "f32"],
         tmp_path / "cache",
     )
     assert "Perplexity against evaluation length" in stdout and "nonoverlapping" in stdout
@@ -81,6 +81,27 @@ def test_run_clm_alibi_embedded_corpus(tmp_path):
     text = list(embedded_corpus(tmp_path / "cache")["validation"]["text"])
     again = _reevaluate(out, text, 600, 128, 64)
     assert again["perplexity"] == pytest.approx(results["splits"]["validation"]["sliding"]["128"]["perplexity"], 1e-5)
+    _check_gguf(out, "\n".join(text)[:4000])
+
+
+def _check_gguf(out, text):
+    """--export_gguf: the trained model and the embedded tokenizer in llama.cpp give the saved model's ids and logits
+    at 4x the training length."""
+    assert (out / "model-f32.gguf").read_bytes()[:4] == b"GGUF"
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    llm = llama_cpp.Llama(
+        model_path=str(out / "model-f32.gguf"), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+        type_k=0, type_v=0, flash_attn=False,
+    )  # fmt: skip
+    ids = tokenizer(text)["input_ids"]
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids and len(ids) >= 128
+    llm.eval(ids[:128])
+    with torch.no_grad():
+        expected = model(torch.tensor([ids[:128]])).logits[0]
+    # llama.cpp's CPU GELU (mpt) reads an fp16 table: tests/hub/test_gguf.py
+    torch.testing.assert_close(torch.tensor(llm.scores[:128]), expected, rtol=0, atol=3e-4)
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not installed")

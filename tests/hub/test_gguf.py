@@ -1,0 +1,155 @@
+"""GGUF export (hf_alibi/gguf.py) against llama.cpp itself (PyPI llama-cpp-python, which builds the vendored
+llama.cpp): logits of the exported file against transformers' forward of the converted model, greedy tokens
+through llama.cpp's KV cache against ``generate``, the tokenizer's ids; refusals write nothing.
+
+Without llama_cpp the llama.cpp tests skip; the refusals and the file's own contents are checked regardless.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from arch_cases import CASES, MAX_LEN
+from sharing import run_cli
+
+import hf_alibi
+from hf_alibi.data import train_tokenizer
+from hf_alibi.gguf import GGUFExportError, export_gguf
+
+TEXTS = [
+    "def add(x, y):\n    return x + y  # sum\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "naïve café, Größe: 42 € — 日本語 🦙  two  spaces\ttab",
+]
+# a (power of two) and a (not) head count, grouped KV heads on the Llama-shaped rows
+SHAPES = {
+    "llama": [dict(), dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2)],
+    "mistral": [dict(sliding_window=None)],
+    "qwen2": [dict(use_sliding_window=False, sliding_window=None, layer_types=None)],
+    "smollm3": [dict()],
+    "seed_oss": [dict(attention_bias=True)],
+    "ernie4_5": [dict()],
+    "phi3": [dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2)],  # fused qkv and gate-up
+    "glm": [dict(attention_bias=True)],
+    "gpt2": [dict(), dict(n_embd=48, n_head=6)],
+}
+# refact: 1.8e-7 measured. mpt: llama.cpp's CPU GELU reads an fp16 table, up to 1.2e-4 measured on these logits
+# (its max bias 7.5 instead of 8: 6e-3)
+TOLERANCE = {"refact": 1e-4, "mpt": 3e-4}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    corpus = [text * 3 for text in TEXTS] * 20 + ["import torch\nfor i in range(10):\n    print(i)\n"] * 20
+    return train_tokenizer(corpus, vocab_size=300)
+
+
+def converted(name: str, overrides: dict, tokenizer):
+    case = next(c for c in CASES if c.name == name)
+    return hf_alibi.patch_model(case.make(vocab_size=len(tokenizer), **overrides))
+
+
+PARAMS = [(name, i) for name, shapes in SHAPES.items() for i in range(len(shapes))]
+IDS = [
+    f"{name}-{SHAPES[name][i].get('num_attention_heads', SHAPES[name][i].get('n_head', 4))}heads" for name, i in PARAMS
+]
+
+
+def llama_cpp_model(path: Path, n_ctx: int):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=1,
+        type_k=0, type_v=0, flash_attn=False,  # F32 KV cache (GGML_TYPE_F32), no F16 mask
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "shape"), PARAMS, ids=IDS)
+def test_llama_cpp_logits_and_greedy_tokens_equal_transformers(name, shape, tokenizer, tmp_path):
+    model = converted(name, SHAPES[name][shape], tokenizer)
+    path = export_gguf(model, tmp_path / "model.gguf", tokenizer=tokenizer)
+    arch = "mpt" if name == "gpt2" else "refact"
+    llm = llama_cpp_model(path, n_ctx=8 * MAX_LEN)
+    generator = torch.Generator().manual_seed(3)
+    for length in (64, 4 * MAX_LEN * 2):  # 4x and 8x the tiny configs' original length
+        ids = torch.randint(3, len(tokenizer), (1, length), generator=generator)
+        with torch.no_grad():
+            expected = model(ids).logits[0].numpy()
+        llm.reset()
+        llm.eval(ids[0].tolist())
+        found = np.asarray(llm.scores[:length])
+        assert np.abs(found - expected).max() < TOLERANCE[arch], (length, np.abs(found - expected).max())
+    prompt = ids[0, :12].tolist()
+    with torch.no_grad():
+        greedy = model.generate(ids[:, :12], max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                                eos_token_id=None, pad_token_id=0)[0, 12:].tolist()  # fmt: skip
+    llm.reset()
+    tokens = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+        tokens.append(token)
+        if len(tokens) == 20:
+            break
+    assert tokens == greedy
+
+
+def test_llama_cpp_reads_the_real_tokenizer(tokenizer, tmp_path):
+    model = converted("llama", {}, tokenizer)
+    llm = llama_cpp_model(export_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer), n_ctx=64)
+    for text in TEXTS:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == tokenizer(text)["input_ids"], text
+
+
+def test_the_file_carries_the_architecture_tokenizer_and_chat_template(tokenizer, tmp_path):
+    import gguf
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for name, arch in (("llama", "refact"), ("gpt2", "mpt")):
+        path = export_gguf(converted(name, {}, tokenizer), tmp_path / f"{name}.gguf", tokenizer=tokenizer)
+        fields = gguf.GGUFReader(path).fields
+        text = {key: bytes(fields[key].parts[-1]).decode() for key in fields if key.startswith(("general.a", "tok"))}
+        assert text["general.architecture"] == arch
+        assert text["tokenizer.ggml.model"] == "gpt2" and text["tokenizer.ggml.pre"] == "gpt-2"
+        assert text["tokenizer.chat_template"] == tokenizer.chat_template
+        assert len(fields["tokenizer.ggml.tokens"].data) == len(tokenizer)
+    tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "options", "words"),
+    [
+        ("llama", {}, {"sinks": 1}, "sinks=1"),
+        ("llama", {}, {"preset": "pretrained"}, "rotary_max_wavelength"),
+        ("gpt2", {}, {"slope_scale": 0.5}, "slope_scale=0.5"),
+        ("mistral", {}, {}, "sliding-window"),
+        ("ernie4_5", {"use_bias": True}, {}, "MLP biases"),
+        ("seed_oss", {"attention_out_bias": True}, {}, "o_proj bias"),
+        ("qwen3", {}, {}, "'qwen3'"),
+        ("gemma", {}, {}, "'gemma'"),
+        ("bert", {}, {}, "'bert'"),
+    ],
+)
+def test_what_llama_cpp_cannot_run_is_refused_before_writing(name, overrides, options, words, tokenizer, tmp_path):
+    case = next(c for c in CASES if c.name == name)
+    model = hf_alibi.patch_model(case.make(vocab_size=len(tokenizer), **overrides), **options)
+    out = tmp_path / "model.gguf"
+    with pytest.raises(GGUFExportError) as caught:
+        export_gguf(model, out, tokenizer=tokenizer)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_cli_exports_a_converted_folder(tokenizer, tmp_path, capsys):
+    import gguf
+
+    model = converted("llama", {}, tokenizer)
+    model.save_pretrained(tmp_path / "folder")
+    tokenizer.save_pretrained(tmp_path / "folder")
+    code, out, err = run_cli("export-gguf", str(tmp_path / "folder"), str(tmp_path / "m.gguf"), "--outtype", "f16",
+                             capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+    code, out, err = run_cli("export-gguf", str(tmp_path / "nowhere"), str(tmp_path / "x.gguf"), capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "hf-alibi: error:" in err
+    assert not (tmp_path / "x.gguf").exists()
