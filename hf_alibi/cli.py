@@ -35,7 +35,7 @@ from .checkpoints import (
     read_config,
     staged_output,
 )
-from .gguf import GGUFExportError
+from .gguf import OUTTYPES, GGUFExportError, export_gguf
 
 
 class CliError(Exception):
@@ -390,10 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
-    gguf = commands.add_parser("export-gguf", help="write a converted folder as GGUF for llama.cpp")
-    gguf.add_argument("src", metavar="SRC", help="converted checkpoint folder (with its tokenizer)")
+    gguf = commands.add_parser("export-gguf", help="write a converted checkpoint as GGUF for llama.cpp")
+    gguf.add_argument("src", metavar="SRC", help="converted checkpoint folder or Hub id (with its tokenizer)")
     gguf.add_argument("out", metavar="OUT", help="the .gguf file to write")
-    gguf.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="f32", help="matrices' type")
+    gguf.add_argument("--outtype", choices=OUTTYPES, default="f32", help="the matrices' type (norms, biases: f32)")
+    gguf.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
     info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
     info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
@@ -454,9 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":
-            from hf_alibi.gguf import export_gguf
-
-            print(f"Wrote {export_gguf(args.src, args.out, outtype=args.outtype)} ({args.outtype})")
+            path = export_gguf(args.src, args.out, outtype=args.outtype, overwrite=args.overwrite)
+            print(f"Wrote {path} ({args.outtype}): llama-cli -m {path}")
         elif args.command == "info":
             info = describe(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)

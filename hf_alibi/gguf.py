@@ -48,12 +48,13 @@ class GGUFExportError(ValueError):
     """What cannot be written as GGUF, in one line."""
 
 
-def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=None) -> Path:
-    """Write the converted model ``src`` (a model object, or a converted folder with its tokenizer) as GGUF.
+def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=None, overwrite: bool = False) -> Path:
+    """Write the converted model ``src`` (a model object, or a converted folder or Hub id with its tokenizer) as GGUF.
 
     ``outtype``: ``f32``, ``f16``, ``bf16`` or ``q8_0`` for the matrices (norms and biases stay f32, as llama.cpp's
     converter writes them). ``tokenizer`` is needed when ``src`` is a model object. Refused before anything is
-    written when llama.cpp cannot run the model exactly (:data:`WHAT_EXPORTS`); ``out`` appears whole or not at all.
+    written when llama.cpp cannot run the model exactly (:data:`WHAT_EXPORTS`); ``out`` appears whole or not at all,
+    and an existing ``out`` is replaced only with ``overwrite=True``.
 
     >>> export_gguf(model, "model.gguf", tokenizer=tokenizer)  # doctest: +SKIP
     """
@@ -61,12 +62,14 @@ def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=Non
 
     if outtype not in OUTTYPES:
         raise GGUFExportError(f"outtype {outtype!r} is not one of {', '.join(OUTTYPES)}.")
-    model, tokenizer = _load(src, tokenizer)
-    arch = check_exportable(model)
-    vocab = _vocab(tokenizer, model.config.vocab_size)  # refuses an unknown tokenizer before writing
     out = Path(out)
     if out.is_dir():
         raise GGUFExportError(f"{out} is a folder: give the path of the .gguf file to write.")
+    if out.exists() and not overwrite:
+        raise GGUFExportError(f"{out} exists: pass overwrite=True (hf-alibi export-gguf --overwrite) to replace it.")
+    model, tokenizer = _load(src, tokenizer)
+    arch = check_exportable(model)
+    vocab = _vocab(tokenizer, model.config.vocab_size)  # refuses an unknown tokenizer before writing
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
     try:

@@ -507,7 +507,7 @@ def main():
         model = trainer.accelerator.unwrap_model(trainer.model)
         model = unsharded_copy(model) if is_fsdp2(model) else model
         out = os.path.join(training_args.output_dir, f"model-{model_args.export_gguf}.gguf")
-        hf_alibi.export_gguf(model, out, outtype=model_args.export_gguf, tokenizer=tokenizer)
+        hf_alibi.export_gguf(model, out, outtype=model_args.export_gguf, tokenizer=tokenizer, overwrite=True)
         print(f"\nllama.cpp: {out} (llama-cli -m {out})")
 
 

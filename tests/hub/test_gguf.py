@@ -153,3 +153,12 @@ def test_cli_exports_a_converted_folder(tokenizer, tmp_path, capsys):
     code, out, err = run_cli("export-gguf", str(tmp_path / "nowhere"), str(tmp_path / "x.gguf"), capsys=capsys)
     assert code == 2 and err.count("\n") == 1 and "hf-alibi: error:" in err
     assert not (tmp_path / "x.gguf").exists()
+    # an existing OUT is kept unless --overwrite
+    before = (tmp_path / "m.gguf").read_bytes()
+    code, out, err = run_cli("export-gguf", str(tmp_path / "folder"), str(tmp_path / "m.gguf"), capsys=capsys)
+    assert code == 2 and "--overwrite" in err and err.count("\n") == 1
+    assert (tmp_path / "m.gguf").read_bytes() == before
+    code, out, err = run_cli("export-gguf", str(tmp_path / "folder"), str(tmp_path / "m.gguf"), "--overwrite",
+                             capsys=capsys)  # fmt: skip
+    assert code == 0, err
+    assert gguf.GGUFReader(tmp_path / "m.gguf").tensors[0].tensor_type.name == "F32"
