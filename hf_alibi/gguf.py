@@ -288,7 +288,7 @@ def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, outtype: str) -> 
     if kind is None:
         writer.add_tensor(name, data.astype(np.float16))
         return
-    writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_shape=data.shape, raw_dtype=kind)
+    writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)  # shape read from the bytes
 
 
 def _vocab(tokenizer, vocab_size: int) -> dict:

@@ -162,3 +162,79 @@ def test_cli_exports_a_converted_folder(tokenizer, tmp_path, capsys):
                              capsys=capsys)  # fmt: skip
     assert code == 0, err
     assert gguf.GGUFReader(tmp_path / "m.gguf").tensors[0].tensor_type.name == "F32"
+
+
+# bound on |dequantized - weight| relative to the row's largest |weight| (f16: 2^-11; bf16: 2^-8; q8_0: half a step
+# of 1/127 of the block's largest, plus its f16 scale), and on llama.cpp's logits against transformers' in f32
+# (which also rounds activations to f16 / bf16 / q8_0 in its matrix products): 128 tokens, logits of size ~1
+WEIGHT_BOUND = {"f16": 2**-11, "bf16": 2**-8, "q8_0": 0.5 / 127 + 2**-11}
+LOGIT_BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2}  # measured 3e-4 / 2.7e-3 / 7.6e-3 (llama), 9.7e-3 (gpt2 q8_0)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("llama", dict(hidden_size=64, intermediate_size=96)), ("gpt2", dict(n_embd=64)), ("phi3", dict(hidden_size=48))],
+)
+def test_outtypes_round_the_matrices_only(name, overrides, outtype, tokenizer, tmp_path):
+    import gguf
+
+    model = converted(name, overrides, tokenizer)
+    path = export_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, outtype=outtype)
+    written = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    kinds = set()
+    for tensor_name, tensor in written.items():
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape)))
+        if len(tensor.shape) == 1 or tensor.shape[1] == 1:
+            assert tensor.tensor_type.name == "F32", tensor_name
+            continue
+        weight = _weight_of(model, tensor_name, name)
+        # rows that are not whole Q8_0 blocks of 32 (phi3's width 48) fall back to f16, as llama.cpp's converter
+        expected_kind = {"f16": "F16", "bf16": "BF16", "q8_0": "F16" if weight.shape[-1] % 32 else "Q8_0"}[outtype]
+        assert tensor.tensor_type.name == expected_kind, tensor_name
+        kinds.add(expected_kind)
+        bound = WEIGHT_BOUND["f16" if expected_kind == "F16" else outtype]
+        scale = np.abs(weight).max(axis=-1, keepdims=True)
+        assert (np.abs(values - weight) <= bound * scale + 1e-12).all(), tensor_name
+    assert kinds == ({"F16", "Q8_0"} if name == "phi3" and outtype == "q8_0" else {expected_kind})
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0, flash_attn=False)  # fmt: skip
+    ids = torch.randint(3, len(tokenizer), (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits[0].numpy()
+    llm.eval(ids[0].tolist())
+    assert np.abs(np.asarray(llm.scores[:128]) - expected).max() < LOGIT_BOUND[outtype]
+
+
+def _weight_of(model, gguf_name: str, name: str) -> np.ndarray:
+    """The model's own matrix behind a GGUF tensor name, (out, in), written here from the architectures' layouts."""
+    state = {k: v.detach().float().numpy() for k, v in model.base_model.state_dict().items()}
+    if gguf_name in ("token_embd.weight", "output.weight"):
+        return state["wte.weight" if name == "gpt2" else "embed_tokens.weight"] if gguf_name[0] == "t" else (
+            model.get_output_embeddings().weight.detach().numpy())  # fmt: skip
+    _, layer, part, _ = gguf_name.split(".")
+    if name == "gpt2":
+        conv = {
+            "attn_qkv": "attn.c_attn",
+            "attn_output": "attn.c_proj",
+            "ffn_up": "mlp.c_fc",
+            "ffn_down": "mlp.c_proj",
+        }
+        return state[f"h.{layer}.{conv[part]}.weight"].T
+    q = model.config.num_attention_heads * model.config.head_dim
+    kv = model.config.num_key_value_heads * model.config.head_dim
+    fused = {
+        "attn_q": ("self_attn.qkv_proj", slice(0, q)), "attn_k": ("self_attn.qkv_proj", slice(q, q + kv)),
+        "attn_v": ("self_attn.qkv_proj", slice(q + kv, None)),
+        "ffn_gate": ("mlp.gate_up_proj", slice(0, model.config.intermediate_size)),
+        "ffn_up": ("mlp.gate_up_proj", slice(model.config.intermediate_size, None)),
+    }  # fmt: skip
+    plain = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}  # fmt: skip
+    key = f"layers.{layer}.{plain[part]}.weight"
+    if key in state:
+        return state[key]
+    module, rows = fused[part]
+    return state[f"layers.{layer}.{module}.weight"][rows]
