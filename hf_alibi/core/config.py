@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -322,9 +323,7 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
-        if isinstance(stored, str) and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
-            return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
-        return alibi_name(base_name(stored))
+        return _reported_name(stored) if isinstance(stored, str) or stored is None else alibi_name(base_name(stored))
 
     def accepted_attn_implementation(self, value):
         if isinstance(value, dict):
@@ -433,3 +432,11 @@ def rebind_config(root, old: PretrainedConfig, new: PretrainedConfig) -> None:
     for module in root.modules():
         if getattr(module, "config", None) is old:
             module.config = new
+
+
+@lru_cache(maxsize=64)
+def _reported_name(stored: str | None) -> str | None:
+    # transformers reads config._attn_implementation several times per layer and step: worked out once per name
+    if stored is not None and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
+        return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
+    return alibi_name(base_name(stored))

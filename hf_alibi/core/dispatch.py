@@ -36,6 +36,9 @@ from .slopes import CAUSAL
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
 # H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
 FOLD_MIN_QUERIES = 32
+# fewer queries than this run without the flush: measured on an Intel Xeon with slow subnormals (5x in the training
+# kernel), one decoding query against 64 to 8192 keys took no longer unflushed, and the flush adds 10-25 us a call
+FLUSH_MIN_QUERIES = 32
 # Forces a path for every AlibiBias whose own ``path`` is left at "auto" (e.g. HF_ALIBI_PATH=bias).
 PATH_ENV = "HF_ALIBI_PATH"
 
@@ -122,7 +125,10 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
 
 def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     # the kernel, forward and backward, with flush-to-zero on the CPU (denormals.py): ALiBi's far keys would
-    # otherwise make it compute subnormal weights, which many CPUs do in microcode
+    # otherwise make it compute subnormal weights, which many CPUs do in microcode. Not for decoding steps and
+    # small chunks: there the flush's set and restore cost more than the subnormals (docs/performance.md)
+    if query.shape[2] < FLUSH_MIN_QUERIES:
+        return run(query, key, value)
     query, key, value, close = bracket(query, key, value)
     with flushed(query):
         output, weights = run(query, key, value)

@@ -63,15 +63,27 @@ class Probe(torch.autograd.Function):
 
 @needs_flush
 def test_kernels_run_flushed_on_every_thread_forward_and_backward(two_threads):
-    from hf_alibi.core.dispatch import _flushed_kernel
+    from hf_alibi.core.dispatch import FLUSH_MIN_QUERIES, _flushed_kernel
 
-    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, FLUSH_MIN_QUERIES, 8, requires_grad=True) for _ in range(3))
     Probe.seen = []
     out, _ = _flushed_kernel(lambda q, k, v: (Probe.apply(q) + k + v, None), q, k, v)
     assert flushing_halves() == (False, False)  # restored after the forward
     out.sum().backward()
     assert flushing_halves() == (False, False)  # and after the backward
     assert Probe.seen == [("forward", (True, True)), ("backward", (True, True))]
+
+
+@needs_flush
+def test_decoding_steps_leave_the_state_alone(two_threads):
+    # a few queries (decoding, small chunks): the flush would cost more than the subnormals it saves
+    from hf_alibi.core.dispatch import FLUSH_MIN_QUERIES, _flushed_kernel
+
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for n in (FLUSH_MIN_QUERIES - 1, 64, 64))
+    Probe.seen = []
+    out, _ = _flushed_kernel(lambda q, k, v: (Probe.apply(q) + k[:, :, :1] + v[:, :, :1], None), q, k, v)
+    out.sum().backward()
+    assert Probe.seen == [("forward", (False, False)), ("backward", (False, False))]
 
 
 @needs_flush
