@@ -287,4 +287,12 @@ def loss_is_per_batch_mean(trainer) -> None:
         trainer.loss_is_scaled_for_ga = False
 
 
-__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files"]
+def transformers_cli_app():
+    """The ``transformers`` command's typer app (``transformers.cli.transformers.app``; ``app(args=["serve", ...])``
+    runs ``transformers serve`` in this process without its update check; checked on transformers 5.24.0)."""
+    from transformers.cli.transformers import app
+
+    return app
+
+
+__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files", "transformers_cli_app"]
