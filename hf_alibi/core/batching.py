@@ -77,24 +77,25 @@ def paged_bias(
             [-inf, -inf, -inf, -1., -0.]])
     """
     device = slopes.device
-    positions = positions.to(device=device, dtype=torch.long)
-    cu_q, cu_k = cu_seq_lens_q.to(device=device, dtype=torch.long), cu_seq_lens_k.to(device=device, dtype=torch.long)
-    requests = cu_q.numel() - 1
+    positions = positions.to(device)
+    cu_q, cu_k = cu_seq_lens_q.to(device=device, dtype=positions.dtype), cu_seq_lens_k.to(device, positions.dtype)
     q_len = positions.numel()
-    q_request = torch.searchsorted(cu_q[1:], torch.arange(q_len, device=device), right=True)  # (Q,), R = padding
-    k_index = torch.arange(kv_len, device=device)
-    k_request = torch.searchsorted(cu_k[1:], k_index, right=True).clamp_max(max(requests - 1, 0))  # (K,)
-    ends = positions[(cu_q[1:] - 1).clamp(0, max(q_len - 1, 0))] + 1  # (R,): one past each request's last query
-    key_counts = cu_k[1:] - cu_k[:-1]
-    key_positions = ends[k_request] - key_counts[k_request] + (k_index - cu_k[:-1][k_request])  # (K,)
+    q_request = torch.searchsorted(cu_q[1:], torch.arange(q_len, device=device, dtype=cu_q.dtype), right=True)
+    k_index = torch.arange(kv_len, device=device, dtype=cu_k.dtype)
+    k_request = torch.searchsorted(cu_k[1:], k_index, right=True)  # (K,); R past the last request's keys
+    # key j of request r sits at (one past its last query) - (its key count) + (j - its first key); requests with
+    # no queries (padding) have no keys, and keys past every request (padding, index R) see no real query
+    ends = positions[(cu_q[1:] - 1).clamp(0, max(q_len - 1, 0))] + 1
+    offsets = torch.cat([ends - cu_k[1:], ends.new_zeros(1)])  # (R + 1,)
+    key_positions = offsets[k_request] + k_index  # (K,)
     distance = positions[:, None] - key_positions[None, :]  # (Q, K), q_pos - k_pos
-    allowed = (q_request[:, None] == k_request[None, :]) & (k_index < cu_k[-1])[None, :] & (distance >= 0)
+    allowed = (q_request[:, None] == k_request[None, :]) & (distance >= 0)
     if window is not None:
         allowed &= distance < window
-    bias = -slopes.float()[:, None, None] * distance.float()  # (H, Q, K)
+    bias = distance.float() * -slopes.float()[:, None, None]  # (H, Q, K)
     if sinks:
         bias = bias.masked_fill((key_positions < sinks)[None, None, :], 0.0)
-    return bias.masked_fill(~allowed, masked_value).unsqueeze(0)
+    return torch.where(allowed, bias, masked_value).unsqueeze(0)
 
 
 def paged_bias_mask(alibi, module, query: torch.Tensor, kv_len: int, batch: PagedBatch, kwargs: dict) -> torch.Tensor:
