@@ -237,3 +237,36 @@ def test_rows_whose_original_fails_in_continuous_batching_fail_the_same_way(case
         assert all(o.error is not None and not o.generated_tokens for o in outputs.values())
         errors.append({o.error for o in outputs.values()})
     assert errors[0] == errors[1]
+
+
+CHILD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+from transformers.utils import logging
+
+logging.set_verbosity_error()
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained("model", trust_remote_code=True).eval()
+greedy = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+outputs = model.generate_batch(PROMPTS, generation_config=greedy, continuous_batching_config=ContinuousBatchingConfig(
+    num_blocks=32, page_size=16, max_batch_tokens=16, max_requests_per_batch=3), progress_bar=False)
+print(json.dumps({"name": model.config._attn_implementation, "hf_alibi": "hf_alibi" in sys.modules,
+                  "tokens": [o.generated_tokens for o in outputs.values()]}))
+"""
+
+
+def test_a_checkpoint_loaded_as_remote_code_runs_its_own_paged_path(tmp_path):
+    """The core copied into a saved folder (alibi_remote_sdpa, its own batching.py), in a process without
+    hf_alibi: the tokens of the library's model on each request alone (sinks, sliding and full layers)."""
+    from sharing import last_json_line, run_child
+
+    case = next(c for c in CASES if c.name == "gemma3_text")
+    model = hf_alibi.patch_model(case.make(), sinks=2)
+    model.save_pretrained(tmp_path / "model")
+    code = CHILD.replace("NEW_TOKENS", str(NEW_TOKENS)).replace("PROMPTS", repr(prompts()))
+    child = run_child(code, tmp_path, tmp_path / "hf", block_hf_alibi=True)
+    assert child.returncode == 0, child.stderr
+    result = last_json_line(child.stdout)
+    assert result["name"] == "alibi_remote_sdpa" and not result["hf_alibi"]
+    assert result["tokens"] == alone(model, prompts())
