@@ -469,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     from hf_alibi.serve import serve
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id)\n")
+        from hf_alibi.core.compat import transformers_cli_app
+
+        transformers_cli_app()(args=["serve", "--help"], prog_name="hf-alibi")
     if not argv or argv[0].startswith("-"):
         parser.exit(2, "hf-alibi: error: serve needs MODEL first (a converted folder or Hub id), then `transformers "
                     "serve`'s options\n")  # fmt: skip

@@ -52,7 +52,7 @@ def serve(model: str, arguments: list[str]) -> None:
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
-    app(args=["serve", model, *arguments], prog_name="hf-alibi serve")
+    app(args=["serve", model, *arguments], prog_name="hf-alibi")
 
 
 def main(argv: list[str] | None = None) -> None:
