@@ -80,21 +80,20 @@ def paged_bias(
     positions = positions.to(device)
     cu_q, cu_k = cu_seq_lens_q.to(device=device, dtype=positions.dtype), cu_seq_lens_k.to(device, positions.dtype)
     q_len = positions.numel()
-    q_request = torch.searchsorted(cu_q[1:], torch.arange(q_len, device=device, dtype=cu_q.dtype), right=True)
-    k_index = torch.arange(kv_len, device=device, dtype=cu_k.dtype)
-    k_request = torch.searchsorted(cu_k[1:], k_index, right=True)  # (K,); R past the last request's keys
-    # key j of request r sits at (one past its last query) - (its key count) + (j - its first key); requests with
-    # no queries (padding) have no keys, and keys past every request (padding, index R) see no real query
-    ends = positions[(cu_q[1:] - 1).clamp(0, max(q_len - 1, 0))] + 1
-    offsets = torch.cat([ends - cu_k[1:], ends.new_zeros(1)])  # (R + 1,)
-    key_positions = offsets[k_request] + k_index  # (K,)
-    distance = positions[:, None] - key_positions[None, :]  # (Q, K), q_pos - k_pos
-    allowed = (q_request[:, None] == k_request[None, :]) & (distance >= 0)
+    q_index = torch.arange(q_len, device=device, dtype=cu_q.dtype)
+    q_request = torch.searchsorted(cu_q[1:], q_index, right=True)  # (Q,); R for padding past the last request
+    # request r's keys are consecutive positions ending with its queries: query i is key cu_k[r + 1] - cu_q[r + 1] + i
+    # and sees back to the request's first key cu_k[r] (or the window); padding queries see nothing (first key K)
+    last = torch.cat([cu_k[1:] - cu_q[1:], cu_k.new_zeros(1)])[q_request] + q_index
+    first = torch.cat([cu_k[:-1], cu_k.new_full((1,), kv_len)])[q_request]
     if window is not None:
-        allowed &= distance < window
+        first = torch.maximum(first, last - (window - 1))
+    k_index = torch.arange(kv_len, device=device, dtype=cu_k.dtype)
+    distance = last[:, None] - k_index  # (Q, K): q_pos - k_pos within a request
+    allowed = (distance >= 0) & (k_index >= first[:, None])
     bias = distance.float() * -slopes.float()[:, None, None]  # (H, Q, K)
-    if sinks:
-        bias = bias.masked_fill((key_positions < sinks)[None, None, :], 0.0)
+    if sinks:  # key position = query position - distance
+        bias = bias.masked_fill((positions[:, None] - distance < sinks)[None], 0.0)
     return torch.where(allowed, bias, masked_value).unsqueeze(0)
 
 
