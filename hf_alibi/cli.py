@@ -396,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--outtype", choices=OUTTYPES, default="f32", help="the matrices' type (norms, biases: f32)")
     gguf.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
+    commands.add_parser(
+        "serve",
+        help="serve a converted checkpoint with transformers' OpenAI-compatible server",
+        description="hf-alibi serve MODEL [transformers serve options]: MODEL first, then `transformers serve`'s own "
+        "options (--port, --continuous-batching, ...), passed on unchanged.",
+    )
     info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
     info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -424,6 +430,9 @@ def _check_push_arguments(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the rest is `transformers serve`'s own command line (hf_alibi/serve.py)
+        return _serve(parser, argv[1:])
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":
@@ -464,6 +473,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     except ConnectionError as error:
         parser.exit(1, f"hf-alibi: error: {error}\n")
+    return 0
+
+
+def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    from hf_alibi.serve import serve
+
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id)\n")
+        from hf_alibi.core.compat import transformers_cli_app
+
+        transformers_cli_app()(args=["serve", "--help"], prog_name="hf-alibi")
+    if not argv or argv[0].startswith("-"):
+        parser.exit(2, "hf-alibi: error: serve needs MODEL first (a converted folder or Hub id), then `transformers "
+                    "serve`'s options\n")  # fmt: skip
+    try:
+        serve(argv[0], argv[1:])
+    except CheckpointError as error:
+        parser.exit(2, f"hf-alibi: error: {error}\n")
     return 0
 
 

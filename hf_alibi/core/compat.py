@@ -197,6 +197,36 @@ def is_exporting() -> bool:
     return torch.compiler.is_compiling()
 
 
+# transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
+# --continuous-batching``), checked on transformers 5.24.0: each forward gets ``cache=`` a ``PagedAttentionCache``
+# (no ``get_seq_length``), ``position_ids`` per token, ``cu_seq_lens_q``, ``cu_seq_lens_k`` per layer type (cut to
+# the layer's own by ``PagedAttentionCache.update``, which gathers each request's keys in position order, ending with
+# its new tokens), and no attention mask unless the name is exactly "sdpa" / "paged|eager".
+
+
+def is_paged_cache(cache) -> bool:
+    """Whether ``cache`` is continuous batching's ``PagedAttentionCache`` (public name, checked on 5.24.0)."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    return isinstance(cache, PagedAttentionCache)
+
+
+def paged_layer_window(cache, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` in a ``PagedAttentionCache`` (its allocator's ``sliding_window``,
+    found through ``layer_to_allocator``; checked on 5.24.0), ``None`` for a full-attention layer."""
+    return getattr(cache.layer_to_allocator[layer_idx], "sliding_window", None)
+
+
+def continuous_batching_manager_class() -> type:
+    """transformers' ``ContinuousBatchingManager``, whose ``__init__`` calls ``self.switch_to_cb_friendly_attn(model,
+    auto_switch_to_flash)`` (the check of the attention implementation's name) and then resolves
+    ``self.continuous_batching_config`` (compile, CUDA graphs); ``ContinuousMixin.init_continuous_batching`` returns
+    a cached ``_cached_continuous_batching_manager`` after calling that same method. Checked on 5.24.0."""
+    from transformers import ContinuousBatchingManager
+
+    return ContinuousBatchingManager
+
+
 __all__ = [
     "AUTO_CLASSES",
     "AttnImplementationOverride",
@@ -204,12 +234,15 @@ __all__ = [
     "base_mask_function",
     "cache_argument",
     "compiled_flex_attention",
+    "continuous_batching_manager_class",
     "cpu_flash_attention",
     "config_class_validators",
     "cpu_flash_attention_shares_kv_heads",
     "drop_config_validators",
     "flash_padding_helpers",
     "is_exporting",
+    "is_paged_cache",
+    "paged_layer_window",
     "register_recorded_outputs",
     "repeat_kv",
     "store_attn_implementation",
@@ -254,4 +287,12 @@ def loss_is_per_batch_mean(trainer) -> None:
         trainer.loss_is_scaled_for_ga = False
 
 
-__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files"]
+def transformers_cli_app():
+    """The ``transformers`` command's typer app (``transformers.cli.transformers.app``; ``app(args=["serve", ...])``
+    runs ``transformers serve`` in this process without its update check; checked on transformers 5.24.0)."""
+    from transformers.cli.transformers import app
+
+    return app
+
+
+__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files", "transformers_cli_app"]

@@ -22,6 +22,7 @@ from torch import nn
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .denormals import bracket, flushed
@@ -98,6 +99,14 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         if alibi is None:  # cross-attention: no position bias
             return backend(module, query, key, value, attention_mask, **kwargs)
         alibi.check_heads(query)
+        paged = alibi.masks.paged()
+        if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
+            alibi.last_path = BIAS
+            mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
+            kwargs.pop("is_causal", None)
+            kwargs.pop("position_bias", None)
+            run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
+            return _flushed_kernel(run, query, key, value)
         path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
         alibi.last_path = path
         if path == FOLDED:
@@ -139,8 +148,14 @@ def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> C
     """A backend that applies the bias itself (flex, flash); layers without ALiBi run transformers' own."""
 
     def attention_forward(module, query, key, value, attention_mask, **kwargs):
-        if getattr(module, "alibi", None) is None:  # cross-attention: no position bias
+        alibi = getattr(module, "alibi", None)
+        if alibi is None:  # cross-attention: no position bias
             return ALL_ATTENTION_FUNCTIONS[plain_backend_name](module, query, key, value, attention_mask, **kwargs)
+        if alibi.masks.paged() is not None:  # the manager refuses these backends; switched to one while it ran
+            raise ValueError(
+                f"Continuous batching has an ALiBi path for attn_implementation 'sdpa' and 'eager', not "
+                f"{plain_backend_name!r}: call model.set_attn_implementation('sdpa') first."
+            )
         return alibi_backend(module, query, key, value, attention_mask, **kwargs)
 
     return attention_forward

@@ -78,6 +78,8 @@ class MaskCache:
         # thread id -> each token's document start (B|1, L) in a packed row: set per forward (packing.py)
         self._documents: dict[int, torch.Tensor] = {}
         self._traced_documents: torch.Tensor | None = None  # the same while torch.compile / export traces
+        # thread id -> the continuous-batching layout of this forward (batching.PagedBatch): set per forward
+        self._paged: dict[int, object] = {}
         self.builds = 0  # how many masks were built (tests count them)
 
     def __deepcopy__(self, memo) -> MaskCache:
@@ -152,6 +154,24 @@ class MaskCache:
             return self._traced_documents
         return self._documents.get(threading.get_ident())
 
+    def set_paged(self, batch) -> None:
+        """The calling thread's forward is a continuous-batching step (``batching.PagedBatch``), or not (``None``)."""
+        if batch is None:
+            self._paged.pop(threading.get_ident(), None)
+        else:
+            self._paged[threading.get_ident()] = batch
+
+    def paged(self):
+        """What :meth:`set_paged` recorded for the calling thread's forward, else ``None``."""
+        if not self._paged or is_exporting():  # traced: never a continuous-batching step (batching.py refuses it)
+            return None
+        return self._paged.get(threading.get_ident())
+
+    def paged_mask(self, key: tuple, cu_seq_lens_k: torch.Tensor, build) -> torch.Tensor:
+        """A continuous-batching step's merged mask, built once per layer kind (``key``) and forward: the layers of
+        one kind get the same ``cu_seq_lens_k`` tensor from transformers' paged cache."""
+        return self._cached(("paged", *key), cu_seq_lens_k, build)
+
     def release(self, *_args, **_kwargs) -> None:
         """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
@@ -160,6 +180,7 @@ class MaskCache:
         self._entries.pop(threading.get_ident(), None)
         self._rows.pop(threading.get_ident(), None)
         self._documents.pop(threading.get_ident(), None)
+        self._paged.pop(threading.get_ident(), None)
 
 
 def _merged(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .architectures import Architecture, check_strategy, find_architecture
+from .batching import make_manager, paged_batch
 from .bias import AlibiBias
 from .compat import cache_argument, is_exporting, register_recorded_outputs, zeros_unless_loaded
 from .config import (
@@ -143,6 +144,8 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
     # Sinks are the first real tokens of each row: where the 2D padding mask's ones start (left
     # padding), and the sequence's end (the mask's length: past + new tokens), which places the keys
     # of static caches (more slots than tokens) and sliding caches (fewer). Recorded for this forward.
+    if masks.paged() is not None:  # a continuous-batching step: sinks follow each request (batching.py)
+        return
     documents = masks.documents()
     if documents is not None:  # a packed row: the first tokens of each document (packing.py)
         masks.set_rows(documents, None)
@@ -204,12 +207,20 @@ def _alibi_sub_configs(model: PreTrainedModel) -> None:
 
 
 def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    # ALiBi has no position index, so position ids are dropped, with one exception: ids that restart at the
+    # ALiBi has no position index, so position ids are dropped, with two exceptions: ids that restart at the
     # row's first id, with no attention mask and no cache to continue, are a packed row (transformers'
     # padding-free format). Its documents are recorded for this forward (every attention path keeps them apart, sinks
-    # follow them) and the ids are kept (a retained table or rotary reads positions inside each document).
+    # follow them) and the ids are kept (a retained table or rotary reads positions inside each document). And a
+    # continuous-batching step (a paged cache) keeps them: they place each token in its request (batching.py), and
+    # the model would otherwise ask the paged cache for a length it does not have.
     position_ids = kwargs.get("position_ids")
     starts = None
+    if not is_exporting():
+        batch = paged_batch(cache_argument(_bound_arguments(module, args, kwargs)), kwargs)
+        masks.set_paged(batch)
+        if batch is not None:
+            masks.set_documents(None)
+            return args, kwargs
     if position_ids is not None:
         values = _bound_arguments(module, args, kwargs)
         cache = cache_argument(values)
@@ -280,13 +291,11 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
                 check_backend(name)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
-    def init_continuous_batching(self, *args, **kwargs):
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         # generate_batch, continuous_batching_context_manager and `transformers serve --continuous-batching` start
-        # here; its paged attention has no ALiBi path yet (transformers' own refusal would say to use 'sdpa')
-        raise NotImplementedError(
-            "Continuous batching (generate_batch, transformers serve --continuous-batching) has no ALiBi path: "
-            "use model.generate() on a padded batch, or llama.cpp after `hf-alibi export-gguf`."
-        )
+        # here: transformers' manager would refuse the alibi_<backend> name (or switch to flash); this one runs the
+        # bias through the paged cache, or refuses in one line (batching.py)
+        return make_manager(self, generation_config, continuous_batching_config, workload_hints)
 
     name = "Alibi" + base_cls.__name__
     cls = type(

@@ -81,12 +81,28 @@ def test_reloading_with_the_reported_name_keeps_the_backend(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-def test_continuous_batching_is_refused_in_one_line():
+def test_continuous_batching_runs_only_through_alibi_paths():
+    # successor of test_continuous_batching_is_refused_in_one_line: transformers' continuous batching now runs a
+    # converted model through its alibi_<backend> function (tests/architectures/test_continuous_batching.py checks
+    # the numbers); a backend without a paged ALiBi path, a foreign one included, is refused in one line and never runs
+    from transformers import GenerationConfig
+
     case = next(c for c in CASES if c.name == "llama")
     model = hf_alibi.patch_model(case.make())
-    with pytest.raises(NotImplementedError) as caught:
-        model.generate_batch(inputs=[[3, 4, 5]], max_new_tokens=2)
-    assert "\n" not in str(caught.value) and "generate()" in str(caught.value)
-    with pytest.raises(NotImplementedError):
-        with model.continuous_batching_context_manager():
+    greedy = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    expected = model.generate(torch.tensor([[3, 4, 5]]), generation_config=greedy)[0, 3:].tolist()
+    CALLS.clear()
+    (output,) = model.generate_batch(inputs=[[3, 4, 5]], generation_config=greedy, progress_bar=False).values()
+    assert output.generated_tokens == expected and model.config._attn_implementation == "alibi_sdpa"
+    assert {m.last_path for m in model.modules() if isinstance(m, hf_alibi.AlibiBias)} == {"bias"}
+    for module in model.modules():  # an engine writing its name past the setter
+        config = getattr(module, "config", None)
+        if config is not None:
+            config._attn_implementation_internal = ENGINE
+    with pytest.raises(ValueError) as caught:
+        model.generate_batch(inputs=[[3, 4, 5]], generation_config=greedy)
+    refusal_is_one_line(caught.value)
+    with pytest.raises(ValueError):
+        with model.continuous_batching_context_manager(generation_config=greedy):
             pass
+    assert not CALLS
