@@ -13,16 +13,19 @@ from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
 from .fit import fit_slopes
 from .gguf import export_gguf
+from .hub.saving import AlibiPreTrainedMixin
 from .patch import is_alibi_model, patch_model
 from .registry import (
     ARCHITECTURES,
     get_architecture,
     register_architecture,
     register_builtin_architectures,
+    set_model_bases,
     supported_model_types,
 )
 
 register_backends()
+set_model_bases(AlibiPreTrainedMixin)  # given to the registry, which imports nothing of hub/
 register_builtin_architectures()
 
 __all__ = [

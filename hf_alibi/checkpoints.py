@@ -27,7 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, is_alibi_config
+from .registry import alibi_classes, get_architecture
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -212,9 +214,6 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
     'GPT2LMHeadModel'
     """
     import transformers
-
-    from .core.compat import auto_class_names
-    from .registry import alibi_classes, get_architecture
 
     model_type = config_dict["model_type"]
     if is_alibi(config_dict) or str(model_type).startswith(MODEL_TYPE_PREFIX):

@@ -30,12 +30,19 @@ from .checkpoints import (
     check_output,
     has_tokenizer,
     is_alibi,
+    is_hub_id,
     is_local,
     model_class_for,
     read_config,
     staged_output,
 )
-from .gguf import GGUFExportError
+from .core.config import AlibiSettings
+from .core.slopes import ENCODER_VARIANTS, scaled_slopes_list
+from .fit import fit_slopes
+from .gguf import GGUFExportError, export_gguf
+from .hub.folder import write_converted
+from .patch import PRESETS, patch_model, settings_for
+from .registry import supported_model_types
 
 
 class CliError(Exception):
@@ -68,10 +75,6 @@ def convert(
     >>> convert("my-gpt2", "gpt2-alibi", preset="pretrained")  # doctest: +SKIP
     """
     from transformers import AutoConfig
-
-    import hf_alibi
-    from hf_alibi.hub import write_converted
-    from hf_alibi.patch import settings_for
 
     out = Path(out)
     check_output(src, out, overwrite)
@@ -107,11 +110,11 @@ def convert(
             ids = tokenizer(fit_text, truncation=True, max_length=fit_tokens, return_tensors="pt")["input_ids"]
             try:
                 scale = {} if fit_scale is None else {"scale": fit_scale}
-                options["slopes"] = hf_alibi.fit_slopes(model, ids, sinks=settings.sinks, **scale)
+                options["slopes"] = fit_slopes(model, ids, sinks=settings.sinks, **scale)
             except ValueError as error:
                 raise CliError(str(error)) from error
         try:
-            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
+            patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
         except ValueError as error:
             raise CliError(str(error)) from error
         write_converted(staging, model, src, tokenizer)
@@ -121,9 +124,6 @@ def convert(
 def describe(path: str) -> dict:
     """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict: the settings of
     ``config.alibi`` (``slopes_given``: explicit slopes or None) and ``slopes``, the slopes in use."""
-    import hf_alibi
-    from hf_alibi.core.slopes import scaled_slopes_list
-
     config_dict = read_config(path, label="PATH")
     model_type = config_dict["model_type"]
     info = {
@@ -133,7 +133,7 @@ def describe(path: str) -> dict:
         "is_alibi": is_alibi(config_dict),
     }
     if info["is_alibi"]:
-        settings = hf_alibi.AlibiSettings.from_dict(config_dict["alibi"])
+        settings = AlibiSettings.from_dict(config_dict["alibi"])
         info.update(settings.to_dict())
         info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
         info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
@@ -143,7 +143,7 @@ def describe(path: str) -> dict:
         if settings.encoder_variant == "learned":
             info["learned_slopes"] = learned_slopes(path) if is_local(path) else None
     else:
-        info["convertible"] = model_type in hf_alibi.supported_model_types()
+        info["convertible"] = model_type in supported_model_types()
     if is_local(path):
         info["tokenizer"] = has_tokenizer(path)
     return info
@@ -299,9 +299,6 @@ _slope_list.__name__ = "comma-separated slopes"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hf_alibi.core.slopes import ENCODER_VARIANTS
-    from hf_alibi.patch import PRESETS
-
     parser = _Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -408,8 +405,6 @@ CONVERT_OPTIONS = (
 
 
 def _check_push_arguments(args) -> None:
-    from hf_alibi.checkpoints import is_hub_id
-
     if args.push_to_hub is None:
         upload_flags = (("--private", args.private), ("--commit-message", args.commit_message))
         given = [flag for flag, value in upload_flags if value]
@@ -434,12 +429,12 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
             if args.push_to_hub:
-                from hf_alibi.hub import push_folder
+                from .hub import push_folder
 
                 push_folder(out, args.push_to_hub, private=args.private or None, commit_message=args.commit_message)
                 print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
         elif args.command == "recover":
-            from hf_alibi.recover import recover_checkpoint
+            from .recover import recover_checkpoint  # on use: it loads transformers' Trainer
 
             out, result = recover_checkpoint(
                 args.src, args.out, args.train_file, validation_file=args.validation_file,
@@ -454,8 +449,6 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":
-            from hf_alibi.gguf import export_gguf
-
             print(f"Wrote {export_gguf(args.src, args.out, outtype=args.outtype)} ({args.outtype})")
         elif args.command == "info":
             info = describe(args.path)

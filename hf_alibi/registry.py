@@ -24,7 +24,6 @@ from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.modeling import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .hub.saving import AlibiPreTrainedMixin
 from .patches import absolute, relative, rotary
 
 MODELS_MODULE = "hf_alibi.models"
@@ -37,6 +36,18 @@ ARCHITECTURES: dict[str, Architecture] = {
 # (made when the row is first used)
 _CONFIG_CLASSES: dict[str, type] = {}
 _CLASSES: dict[str, dict[type, type]] = {}
+# The bases every Alibi<Class> gets besides its transformers class: given by hf_alibi/__init__.py
+# (hf_alibi.hub.saving's AlibiPreTrainedMixin), not imported here, so the registry depends on the core only.
+_MODEL_BASES: tuple[type, ...] = ()
+
+
+def set_model_bases(*bases: type) -> None:
+    """The mixins of every ``Alibi<Class>`` made from now on (``hf_alibi`` gives the saving mixin at import).
+
+    >>> set_model_bases(AlibiPreTrainedMixin)  # doctest: +SKIP
+    """
+    global _MODEL_BASES
+    _MODEL_BASES = tuple(bases)
 
 
 def supported_model_types() -> list[str]:
@@ -101,7 +112,7 @@ def _model_classes(row: Architecture, config_cls: type) -> dict[type, type]:
             base_cls = getattr(transformers, class_name)  # named by the row: an error if missing
         elif (base_cls := getattr(transformers, class_name, None)) is None:
             continue  # an Auto table may name a class this transformers lacks
-        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=(AlibiPreTrainedMixin,))
+        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=_MODEL_BASES)
         classes[base_cls] = alibi_cls
         for auto_name in auto_names:
             getattr(transformers, auto_name).register(config_cls, alibi_cls, exist_ok=True)

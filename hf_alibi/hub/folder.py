@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..checkpoints import CheckpointError, is_local
 from ..core.config import NO_MAXIMUM
+from .saving import finish_folder
 
 WEIGHT_SUFFIXES = (
     ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".ot", ".tflite", ".npz",
@@ -144,8 +145,6 @@ def write_converted(folder: str | os.PathLike, model, src: str | os.PathLike, to
     >>> with staged_output("gpt2-alibi") as staging:
     ...     write_converted(staging, hf_alibi.patch_model(model), "my-gpt2", tokenizer)
     """
-    from .saving import finish_folder
-
     folder = Path(folder)
     copy_companions(src, folder)
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json, modeling_alibi.py

@@ -1,7 +1,7 @@
 """What every saved ALiBi folder gets, and :class:`AlibiPreTrainedMixin`, the base of every ``Alibi<Class>``.
 
-Small on purpose: the registry imports it for every model class, and the remote code, card and upload
-modules are imported only when a folder is saved or pushed.
+Small on purpose: ``import hf_alibi`` loads it and gives the mixin to the registry (for every model
+class); the remote code, card and upload modules are imported only when a folder is saved or pushed.
 """
 
 from __future__ import annotations

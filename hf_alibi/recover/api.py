@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, default_data_collator
 
-import hf_alibi
-
 from ..core.compat import name_or_path
-from ..patch import settings_for
+from ..core.config import get_settings
+from ..fit import fit_slopes
+from ..patch import is_alibi_model, patch_model, settings_for
 from .data import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
 from .lora import add_lora, merge_lora
@@ -137,7 +137,7 @@ def recover(
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    if hf_alibi.is_alibi_model(model):
+    if is_alibi_model(model):
         raise ValueError(
             "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
             "it was converted from."
@@ -192,7 +192,7 @@ def recover(
     slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant)
     student = copy.deepcopy(teacher).requires_grad_(True)
     fitted = {} if slopes is None else {"slopes": slopes}  # none given: patch_model's (or a caller's wrapper's)
-    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **fitted)
+    patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **fitted)
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
@@ -283,7 +283,7 @@ def recover(
         "eval_lengths": [f * length for f in eval_factors],
         "warm_start_steps": warm_start_steps,
         "attention_only_steps": attention_only_steps,
-        "encoder_variant": hf_alibi.get_settings(student.config).encoder_variant,
+        "encoder_variant": get_settings(student.config).encoder_variant,
         "eval_tokens": int(eval_stream.numel()),
         "train_seconds": round(seconds, 1),
     }
@@ -304,7 +304,7 @@ def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) 
     settings = settings_for(teacher.config, heads, encoder_variant, preset=preset)
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
     text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
-    return hf_alibi.fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
+    return fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
 
 
 def _slopes_note(slopes, preset: str | None) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 
-import hf_alibi
-
 from .. import checkpoints
+from ..core.config import get_settings
+from ..patch import is_alibi_model
+from ..registry import get_architecture
 
 CAUSAL, ENCODER, SEQ2SEQ = "causal", "encoder", "seq2seq"
 KINDS = (CAUSAL, ENCODER, SEQ2SEQ)
@@ -24,8 +25,8 @@ def model_kind(model: PreTrainedModel) -> str:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return SEQ2SEQ
-    base_type = hf_alibi.get_settings(config).base_model_type if hf_alibi.is_alibi_model(model) else config.model_type
-    if hf_alibi.get_architecture(base_type).bidirectional and not getattr(config, "is_decoder", False):
+    base_type = get_settings(config).base_model_type if is_alibi_model(model) else config.model_type
+    if get_architecture(base_type).bidirectional and not getattr(config, "is_decoder", False):
         return ENCODER
     return CAUSAL
 

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..patch import PRESETS
+
 # Training at the original maximum (8192 for SmolLM2) and evaluating at 8x that never finishes on a
 # CPU: the defaults are bounded, and every bound that bit is said (RecoveryLengths.notes).
 MAX_DEFAULT_LENGTH = 512
@@ -129,8 +131,6 @@ def check_settings(original: int | None = None, **settings) -> None:
         )
     preset = settings.get("preset")
     if preset not in (None, "paper"):
-        from ..patch import PRESETS
-
         if preset not in PRESETS:
             raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} or 'paper' (--preset).")
     if settings.get("save_steps") and not settings.get("output_dir", True):

@@ -1,10 +1,6 @@
-"""hf_alibi/checkpoints.py: one answer to each question about a checkpoint, and the outer layer's imports."""
+"""hf_alibi/checkpoints.py: one answer to each question about a checkpoint (its imports: tests/test_imports.py)."""
 
-import ast
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +10,6 @@ from hf_alibi import checkpoints
 from hf_alibi.checkpoints import CheckpointError, is_alibi, original_length, source_kind
 from hf_alibi.evaluation import position_limit
 from hf_alibi.recover import original_length as model_original_length
-
-PACKAGE = Path(__file__).resolve().parents[2] / "hf_alibi"
 
 
 def tiny_roberta(pad_token_id=1) -> RobertaModel:
@@ -92,73 +86,3 @@ def test_staged_output_turns_oserror_into_one_error(tmp_path):
     with checkpoints.staged_output(out) as staging:
         (staging / "weights").write_text("whole")
     assert [p.name for p in out.iterdir()] == ["weights"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
-
-
-# ---------------------------------------------------------------------------------------------- imports
-
-
-def _module_imports(path: Path) -> set[str]:
-    """The hf_alibi modules ``path`` imports at module level (imports inside functions run later)."""
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If):  # TYPE_CHECKING blocks do not run
-            continue
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            if base.startswith("hf_alibi"):
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("hf_alibi"))
-    return found
-
-
-def test_the_outer_layer_has_no_import_cycle():
-    modules = {
-        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in PACKAGE.rglob("*.py")
-        if "core" not in p.relative_to(PACKAGE).parts
-    }
-    graph = {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
-    # a package imports its submodules; a submodule importing its own package's __init__ is the parent's job
-    for name in graph:
-        graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}
-    visiting, done = set(), set()
-
-    def visit(name, trail):
-        assert name not in visiting, f"import cycle: {' -> '.join(trail + [name])}"
-        if name in done:
-            return
-        visiting.add(name)
-        for target in sorted(graph[name]):
-            visit(target, trail + [name])
-        visiting.discard(name)
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, [])
-    assert "hf_alibi.cli" not in graph["hf_alibi.recover.checkpoint"]
-    assert not any(m.startswith("hf_alibi.recover") for m in graph["hf_alibi.cli"])
-
-
-@pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
-@pytest.mark.parametrize(
-    "name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.recover.checkpoint"]
-)
-def test_a_module_imports_first_in_a_fresh_interpreter(name):
-    """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
-    code = "import importlib, sys; importlib.import_module(sys.argv[1])"
-    child = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
-    assert child.returncode == 0, f"{name}: {child.stderr[-2000:]}"
-
-
-def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
-    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
