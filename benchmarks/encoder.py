@@ -43,7 +43,8 @@ from pretrained import (
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import hf_alibi
-from hf_alibi.checkpoints import original_length, read_config
+from hf_alibi.checkpoints import read_config
+from hf_alibi.positions import original_length
 from hf_alibi.recover import embedding_cosine, mean_pooled, recover
 from hf_alibi.recover.data import NO_FRAME, Frame, frame_rows, frame_size, special_frame
 

@@ -44,7 +44,9 @@ from builders import build_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_alibi
-from hf_alibi.checkpoints import original_length, read_config
+from hf_alibi.checkpoints import read_config
+from hf_alibi.positions import original_length
+from hf_alibi.recover import api as recover_api
 from hf_alibi.recover import recover
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -293,7 +295,7 @@ def measure(model, text: Text, args, bounds: list[int]) -> dict:
 def conversion_options(options: dict):
     """Give ``recover()`` this arm's patch_model options (no preset unless the arm names one, as ``patch_model``;
     ``recover()`` itself defaults to the preset): as keywords where its signature takes them, else by wrapping
-    ``hf_alibi.patch_model`` (which recover calls) for the duration."""
+    the ``patch_model`` recover calls (``hf_alibi.recover.api``'s) for the duration."""
     accepted = inspect.signature(recover).parameters
     # an arm without a preset is the paper's conversion plus its options; recover() fits no slopes of its own
     # (a fit=SCALE arm brings its fitted slopes): the arm recovered is the arm measured
@@ -303,12 +305,12 @@ def conversion_options(options: dict):
     if not rest:
         yield direct
         return
-    original = hf_alibi.patch_model
-    hf_alibi.patch_model = functools.partial(original, **rest)
+    original = recover_api.patch_model
+    recover_api.patch_model = functools.partial(original, **rest)
     try:
         yield direct
     finally:
-        hf_alibi.patch_model = original
+        recover_api.patch_model = original
 
 
 def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[torch.nn.Module, dict]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
+from hf_alibi.recover import api as recover_api
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its siblings like the other benchmarks
@@ -120,8 +121,8 @@ def test_quick_run_rows_and_token_counts():
 def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
     with bench.conversion_options({"sinks": 1}) as direct:
         assert direct == {"preset": None, "fit_slopes": False}  # recover() would default to the preset
-        assert hf_alibi.patch_model.keywords == {"sinks": 1}
-    assert not hasattr(hf_alibi.patch_model, "keywords")
+        assert recover_api.patch_model.keywords == {"sinks": 1}
+    assert not hasattr(recover_api.patch_model, "keywords")
     with bench.conversion_options({"preset": "pretrained"}) as direct:
         assert direct == {"preset": "pretrained", "fit_slopes": False}
     # a fitted arm's slopes reach the recovered student (recover() passes no slopes of its own then)

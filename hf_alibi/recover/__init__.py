@@ -23,7 +23,8 @@ input embeddings, faded linearly to zero over the first steps while ALiBi is on;
 
 Modules (each one job; everything public is re-exported here):
 
-- ``introspection``: what kind of model (causal, encoder, seq2seq), its position table and length;
+- ``introspection``: what kind of model (causal, encoder, seq2seq); its position table and length are
+  :mod:`hf_alibi.positions`;
 - ``losses``: the distillation losses; ``trainer``: the Trainer that applies them;
 - ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
 - ``metrics``: agreement with the teacher at 1x..8x the original length;
@@ -38,6 +39,7 @@ Example:
     >>> result.history[-1]                                                  # agreement at 1x, 2x, 4x, 8x
 """
 
+from ..positions import original_length
 from .api import RecoveryResult, recover
 from .card import recovery_card_section, write_recovery_card
 from .checkpoint import recover_checkpoint
@@ -47,10 +49,8 @@ from .introspection import (
     ENCODER,
     HIDDEN_LAYERS,
     KINDS,
-    POSITION_TABLES,
     SEQ2SEQ,
     model_kind,
-    original_length,
 )
 from .losses import distillation_loss, hidden_state_mse, kl_next_token
 from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl
@@ -62,7 +62,6 @@ __all__ = [
     "ENCODER",
     "HIDDEN_LAYERS",
     "KINDS",
-    "POSITION_TABLES",
     "SEQ2SEQ",
     "DistillationTrainer",
     "PositionWarmStart",

@@ -16,8 +16,9 @@ from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..fit import fit_slopes
 from ..patch import is_alibi_model, patch_model, settings_for
+from ..positions import original_length, position_table
 from .data import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
-from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
+from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
 from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, default_learning_rate, resolve_lengths

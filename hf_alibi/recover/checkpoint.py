@@ -15,11 +15,11 @@ from ..checkpoints import (
     has_tokenizer,
     is_alibi,
     model_class_for,
-    original_length,
     read_config,
     staged_output,
 )
-from ..hub import write_converted
+from ..hub.folder import write_converted
+from ..positions import original_length
 from .api import recover
 from .card import write_recovery_card
 from .data import read_texts, token_stream

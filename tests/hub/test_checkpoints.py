@@ -1,14 +1,17 @@
-"""hf_alibi/checkpoints.py: one answer to each question about a checkpoint (its imports: tests/test_imports.py)."""
+"""hf_alibi/checkpoints.py and hf_alibi/positions.py: one answer to each question about a checkpoint and its
+positions (the package's imports: tests/test_imports.py)."""
 
 import time
 
 import pytest
 import torch
+from arch_cases import CASE_IDS, CASES
 from transformers import GPT2Config, LlamaConfig, RobertaConfig, RobertaModel, T5Config
 
 from hf_alibi import checkpoints
-from hf_alibi.checkpoints import CheckpointError, is_alibi, original_length, source_kind
+from hf_alibi.checkpoints import CheckpointError, is_alibi, source_kind
 from hf_alibi.evaluation import position_limit
+from hf_alibi.positions import original_length, position_table
 from hf_alibi.recover import original_length as model_original_length
 
 
@@ -33,6 +36,27 @@ def test_roberta_length_is_what_the_model_can_run():
     assert original_length(config_dict) == original_length(model.config) == original_length(model) == 64
     assert model_original_length(model) == 64  # hf_alibi.recover
     assert position_limit(model) == 64  # hf_alibi.evaluation (was 66: the table's rows)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_position_table_is_the_one_the_model_reads_from_its_first_used_row(case):
+    """The reference is the model: with row i of its table set to i, what the table gives position 0 is the
+    index position_table names, and the rows from there hold the original length (OPT's embed_positions too)."""
+    model = case.make(attn_implementation="eager")
+    found = position_table(model)
+    if case.model_type not in ("gpt2", "bert", "roberta", "opt"):  # rotary and relative rows: no table
+        assert found is None
+        return
+    table, first = found
+    with torch.no_grad():
+        table.weight.copy_(torch.arange(table.num_embeddings, dtype=table.weight.dtype)[:, None])
+    seen = []
+    handle = table.register_forward_hook(lambda module, args, output: seen.append(output[0, 0, 0].item()))
+    with torch.no_grad():
+        model(**case.inputs(1, 5))
+    handle.remove()
+    assert seen == [first]
+    assert table.num_embeddings - first == original_length(model)
 
 
 def test_original_length_other_configs():
