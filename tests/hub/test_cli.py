@@ -98,6 +98,33 @@ def test_model_card_header_parses(converted):
     assert "trust_remote_code=True" in card.text
 
 
+@pytest.mark.parametrize("preset", [None, "pretrained"])
+def test_model_card_says_what_the_settings_mean_for_training(preset):
+    """The card's note comes from the settings: the paper's conversion must be trained before use, the pretrained
+    preset's runs without training (and says what it kept); the slopes listed are the ones in use."""
+    from hf_alibi.hub.card import model_card
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf_alibi.patch_model(transformers.LlamaForCausalLM(config), preset=preset)
+    card = model_card(model.config)
+    settings = hf_alibi.get_settings(model.config)
+    in_use = ", ".join(f"{m * settings.slope_scale:.6g}" for m in hf_alibi.get_slopes_list(4))
+    assert f"Slopes `m_h` in use, head by head: {in_use}." in card
+    assert "Converting does not train" not in card and "Note: converting does not train." in card
+    if preset is None:
+        assert "must be fine-tuned (or recovered" in card and "keep part of what" not in card
+    else:
+        assert "must be fine-tuned" not in card and "runs without training" in card
+        assert "1 attention sink;" in card and "wavelength <= 128" in card and "the paper's slopes x 0.01" in card
+    recovered = model_card(model.config, recovery="\n## Recovery\n\nsteps\n")
+    assert "must be fine-tuned" not in recovered and "was recovered after conversion" in recovered
+    assert recovered.rstrip().endswith("## Recovery\n\nsteps")
+
+
 def test_info_reports_the_settings(converted, capsys):
     model_type, src, out = converted
     code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)

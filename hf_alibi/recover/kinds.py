@@ -8,8 +8,8 @@ from ..core.config import get_settings
 from ..patch import is_alibi_model
 from ..registry import get_architecture
 
-CAUSAL, ENCODER, SEQ2SEQ = "causal", "encoder", "seq2seq"
-KINDS = (CAUSAL, ENCODER, SEQ2SEQ)
+CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL = "causal", "encoder", "seq2seq"
+MODEL_KINDS = (CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL)
 HIDDEN_LAYERS = ("last", "all")
 
 
@@ -21,8 +21,8 @@ def model_kind(model: PreTrainedModel) -> str:
     """
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        return SEQ2SEQ
+        return SEQ2SEQ_MODEL
     base_type = get_settings(config).base_model_type if is_alibi_model(model) else config.model_type
     if get_architecture(base_type).bidirectional and not getattr(config, "is_decoder", False):
-        return ENCODER
-    return CAUSAL
+        return ENCODER_MODEL
+    return CAUSAL_MODEL

@@ -1,4 +1,10 @@
-"""``hf-alibi recover SRC OUT --train_file F``: the checkpoint job around :func:`recover`."""
+"""The checkpoint jobs: a folder or Hub id in, a converted checkpoint folder out (what the CLI runs).
+
+:func:`recover_checkpoint` (``hf-alibi recover``) loads the original, distils it into a converted copy
+(:func:`hf_alibi.recover.recover`) and writes the result. Every input is checked before anything loads;
+OUT is written in a staging folder beside it and renamed at the end; bad input is a
+:class:`hf_alibi.checkpoints.CheckpointError`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from ..checkpoints import (
+from .checkpoints import (
     CheckpointError,
     check_output,
     has_tokenizer,
@@ -18,12 +24,8 @@ from ..checkpoints import (
     read_config,
     staged_output,
 )
-from ..hub.folder import write_converted
-from ..positions import original_length
-from .api import recover
-from .card import write_recovery_card
-from .data import read_texts, token_stream
-from .settings import check_settings, resolve_lengths
+from .hub.folder import write_converted
+from .positions import original_length
 
 
 def recover_checkpoint(
@@ -37,7 +39,7 @@ def recover_checkpoint(
     **settings: Any,
 ):
     """What ``hf-alibi recover SRC OUT --train_file F`` does: load the original checkpoint ``src``, convert
-    a copy, distil (:func:`recover`, ``settings`` are its keyword arguments), and write ``out`` as a
+    a copy, distil (:func:`hf_alibi.recover.recover`, ``settings`` are its keyword arguments), and write ``out`` as a
     normal converted checkpoint (weights, config with the ALiBi settings, remote code, tokenizer) whose
     model card says how it was recovered, plus ``recovery.json`` (settings and agreement history).
     With ``save_steps`` the Trainer's checkpoints go to ``checkpoint_dir`` (default ``OUT.checkpoints``, kept
@@ -52,6 +54,12 @@ def recover_checkpoint(
     Example:
         >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", max_steps=300)
     """
+    # on use: hf_alibi.recover loads transformers' Trainer, which the other jobs do not need
+    from .recover.api import recover
+    from .recover.blocks import read_texts, token_stream
+    from .recover.settings import check_settings, resolve_lengths
+    from .recover.summary import recovery_card_section
+
     out = Path(out)
     check_output(src, out, overwrite)
     config_dict = read_config(src)
@@ -110,8 +118,8 @@ def recover_checkpoint(
             raise CheckpointError(str(error)) from error
         result.info["teacher"] = src
 
-        write_converted(staging, result.student, src, tokenizer)  # as hf-alibi convert: SRC's companions kept
-        write_recovery_card(staging, result)
+        # as hf-alibi convert (SRC's companions kept), the card with how it was recovered
+        write_converted(staging, result.student, src, tokenizer, recovery=recovery_card_section(result))
         (staging / "recovery.json").write_text(
             json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
         )
