@@ -19,6 +19,7 @@ SRC is only read. The Hub token is the usual one: ``HF_TOKEN`` or the stored ``h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,13 +37,13 @@ from .checkpoints import (
     read_config,
     staged_output,
 )
-from .core.config import AlibiSettings
+from .core.config import AlibiSettings, conversion_options, describe_options
 from .core.slopes import ENCODER_VARIANTS, scaled_slopes_list
 from .fit import fit_slopes
 from .gguf import GGUFExportError, export_gguf
 from .hub.folder import write_converted
 from .jobs import recover_checkpoint
-from .patch import PRESETS, patch_model, settings_for
+from .patch import OPTIONS, PRESETS, patch_model, settings_for
 from .registry import supported_model_types
 
 
@@ -254,24 +255,11 @@ def _slopes_text(slopes: list) -> str:
 
 
 def _options_line(info: dict) -> str:
-    if info.get("slopes_given") is not None:
-        slopes = "explicit (--slopes)"
-    else:
-        scale = info.get("slope_scale", 1.0)
-        slopes = "the paper's" if scale == 1.0 else f"the paper's x {scale:g}"
-    line = f"sinks: {info.get('sinks', 0)}; slopes: {slopes}"
-    if (info.get("architecture") or {}).get("strategy") == "rotary":
-        wavelength = info.get("rotary_max_wavelength")
-        kept = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
-        line += f"; rotary frequencies: {kept}"
-    if info.get("position_mean"):
-        line += f"; position table's mean (first {info['position_mean']} rows) kept in the embeddings"
-    if info.get("table_max_wavelength") is not None:
-        line += (
-            f"; position table's wavelengths <= {info['table_max_wavelength']:g} kept "
-            f"({info.get('table_rows')} rows, repeated)"
-        )
-    return line
+    """The conversion options of an info report as one line, each as its declaration says it."""
+    names = {f.name for f in dataclasses.fields(AlibiSettings)}
+    saved = {k: v for k, v in info.items() if k in names}
+    saved["slopes"] = info.get("slopes_given")  # info's "slopes" are the ones in use
+    return describe_options(AlibiSettings.from_dict(saved))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -292,11 +280,14 @@ def _positive_int(text: str) -> int:
 _positive_int.__name__ = "positive integer"
 
 
-def _slope_list(text: str) -> list[float]:
-    return [float(part) for part in text.split(",")]
-
-
-_slope_list.__name__ = "comma-separated slopes"
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The conversion options as flags (``--slope-scale``, also ``--slope_scale``), from their declarations."""
+    for option in conversion_options():
+        dashed = "--" + option.name.replace("_", "-")
+        flags = (dashed, "--" + option.name) if "_" in option.name else (dashed,)
+        parser.add_argument(
+            *flags, dest=option.name, type=option.metadata["parse"], default=None, help=option.metadata["flag_help"]
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,16 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--preset", choices=sorted(PRESETS), default=None, help="pretrained: keep more of what a pretrained model knew"
     )
-    conv.add_argument("--sinks", type=int, default=None, help="first N tokens carry no distance penalty")
-    conv.add_argument("--rotary-max-wavelength", type=float, default=None, help="rotary: keep wavelengths <= X")
-    conv.add_argument("--slope-scale", type=float, default=None, help="multiplies the paper's slopes")
-    conv.add_argument("--slopes", type=_slope_list, default=None, help="explicit slopes a,b,... (one per head)")
-    conv.add_argument(
-        "--position-mean", type=int, default=None, help="learned tables: fold the mean of the first N rows in"
-    )
-    conv.add_argument(
-        "--table-max-wavelength", type=float, default=None, help="encoders' tables: keep wavelengths <= X (0: none)"
-    )
+    add_option_flags(conv)
     conv.add_argument(
         "--fit-slopes", metavar="TEXT_FILE", dest="fit_file", default=None,
         help="fit the slopes per layer and head on this text (hf_alibi.fit_slopes; instead of --slopes)",
@@ -374,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--preset", default="pretrained", help="conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"
     )
+    add_option_flags(rec)
     rec.add_argument(
         "--fit-slopes", "--fit_slopes", action=argparse.BooleanOptionalAction, default=None,
         help="slopes fitted per layer and head by SRC on the training text (default: with a preset)",
@@ -399,12 +382,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# patch_model's keywords
-CONVERT_OPTIONS = (
-    "preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes", "position_mean", "table_max_wavelength",
-)  # fmt: skip
-
-
 def _check_push_arguments(args) -> None:
     if args.push_to_hub is None:
         upload_flags = (("--private", args.private), ("--commit-message", args.commit_message))
@@ -423,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             _check_push_arguments(args)
-            options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
+            options = {name: getattr(args, name) for name in ("preset", *OPTIONS)}
             out = convert(
                 args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=args.fit_file,
                 fit_scale=args.fit_scale, fit_tokens=args.fit_tokens, **options,
@@ -444,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
                 preset=args.preset, fit_slopes=args.fit_slopes, lora_rank=args.lora_rank,
                 max_eval_length=args.max_eval_length, save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
-                resume_from_checkpoint=args.resume_from_checkpoint,
+                resume_from_checkpoint=args.resume_from_checkpoint, **{name: getattr(args, name) for name in OPTIONS},
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":

@@ -13,6 +13,7 @@ transformers is modified: only new names are added.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import transformers
@@ -139,7 +140,8 @@ def register_architecture(
 
     ``row`` says where the position path and the self-attention modules are and which strategy
     removes the path (``"absolute"``, ``"rotary"``, ``"relative"``). Where none fits, pass
-    ``strategy(base_model, position_paths)`` and a new name in ``row.strategy``: such checkpoints
+    ``strategy(base_model, position_paths)`` (or ``strategy(base_model, position_paths, settings)``, to read
+    the :class:`AlibiSettings`) and a new name in ``row.strategy``: such checkpoints
     then need that code to load (no remote code is written for them).
 
     >>> hf_alibi.register_architecture(hf_alibi.Architecture("mistral", "rotary"))  # doctest: +SKIP
@@ -157,7 +159,7 @@ def _register(row: Architecture, strategy: Callable | None = None) -> None:
     if strategy is not None:
         if row.strategy in BUILTIN_STRATEGIES:
             raise ValueError(f"{row.strategy!r} is a built-in strategy; give the custom one a new name.")
-        STRATEGIES[row.strategy] = strategy
+        STRATEGIES[row.strategy] = _takes_settings(strategy)
     if row.strategy not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {row.strategy!r} for {row.model_type!r}: use one of {sorted(STRATEGIES)}, "
@@ -167,6 +169,16 @@ def _register(row: Architecture, strategy: Callable | None = None) -> None:
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
     _CONFIG_CLASSES[row.model_type] = config_cls
     REGISTERED[row.model_type] = row
+
+
+def _takes_settings(strategy: Callable) -> Callable:
+    """A strategy as ``apply`` calls it, ``(base_model, position_paths, settings)``: one written for the first two
+    only is called without the settings."""
+    try:
+        inspect.signature(strategy).bind(None, None, None)
+    except TypeError:
+        return lambda base, paths, settings=None: strategy(base, paths)
+    return strategy
 
 
 def class_named(name: str) -> type | None:

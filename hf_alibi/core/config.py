@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,48 @@ def removed_field_marker(base_model_type: str, architecture: str | None = None) 
 
 
 @dataclass(frozen=True)
+class OriginalLength:
+    """A preset's wavelength bound as a multiple of the original ``max_position_embeddings`` (the rotary bound on
+    rotary rows, the table's on encoders' learned tables)."""
+
+    times: float = 1.0
+
+
+def slope_list(text: str) -> list[float]:
+    """``--slopes a,b,...`` as numbers.
+
+    >>> slope_list("0.5,0.25")
+    [0.5, 0.25]
+    """
+    return [float(part) for part in text.split(",")]
+
+
+slope_list.__name__ = "comma-separated slopes"  # what argparse calls a bad value
+
+
+def option(
+    default,
+    help: str,
+    *,
+    flag_help: str,
+    parse: Callable[[str], Any],
+    presets: dict[str, Any] | None = None,
+    applies: Callable[[Any, Any], bool] | None = None,
+    describe: Callable[[AlibiSettings], str | None] | None = None,
+):
+    """A conversion option, declared once as a field of :class:`AlibiSettings` (saved in config.json):
+    :func:`hf_alibi.patch_model`, ``settings_for``, ``recover`` and the checkpoint jobs take it as a keyword,
+    ``hf-alibi convert`` and ``recover`` as ``--name-with-dashes`` (``parse``, ``flag_help``), each preset in
+    ``presets`` sets it (an :class:`OriginalLength`: that multiple of the original length) where
+    ``applies(row, original config)``, and ``hf-alibi info`` says it with ``describe(settings)`` (None: nothing).
+    Its checks are :func:`check_pretrained_options`' (the one place).
+    """
+    metadata = {"help": help, "option": True, "flag_help": flag_help, "parse": parse}
+    metadata.update(presets=presets or {}, applies=applies, describe=describe)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
 class AlibiSettings:
     """What a converted model needs to be rebuilt; stored as ``config.alibi``."""
 
@@ -87,45 +130,80 @@ class AlibiSettings:
         },
     )
     hf_alibi_version: str = field(default=__version__, metadata={"help": "hf_alibi version that converted it."})
-    # The options for pretrained checkpoints (hf_alibi.patch_model(..., preset="pretrained")); the
-    # defaults are the paper's method, which is what checkpoints without these keys were made with.
-    sinks: int = field(
-        default=0,
-        metadata={
-            "help": "The first `sinks` real tokens of each sequence carry no distance penalty (bias 0 for "
-            "every query that may see them), so a pretrained model keeps its attention sink. 0: the paper."
-        },
+    # The conversion options: the one declaration (see option()). The defaults are the paper's method, which is
+    # what checkpoints without these keys were made with; "pretrained" is the preset for pretrained checkpoints.
+    sinks: int = option(
+        0,
+        "The first `sinks` real tokens of each sequence carry no distance penalty (bias 0 for every query that may "
+        "see them), so a pretrained model keeps its attention sink. 0: the paper.",
+        flag_help="first N tokens carry no distance penalty",
+        parse=int,
+        presets={"pretrained": 1},
+        applies=lambda row, config: not getattr(config, "is_encoder_decoder", False),  # one mask places them
+        describe=lambda s: f"sinks: {s.sinks}",
     )
-    rotary_max_wavelength: float | None = field(
-        default=None,
-        metadata={
-            "help": "Rotary rows only: keep the rotary frequencies whose wavelength 2*pi/inv_freq is at most "
-            "this (the others are removed: cos=1, sin=0). None: remove the rotary embedding entirely."
-        },
+    slope_scale: float = option(
+        1.0,
+        "Multiplies the paper's slopes (1.0: the paper).",
+        flag_help="multiplies the paper's slopes",
+        parse=float,
+        presets={"pretrained": 0.01},
+        describe=lambda s: (
+            None
+            if s.slopes is not None
+            else "slopes: the paper's" + ("" if s.slope_scale == 1.0 else f" x {s.slope_scale:g}")
+        ),
     )
-    slope_scale: float = field(default=1.0, metadata={"help": "Multiplies the paper's slopes (1.0: the paper)."})
-    slopes: list[float] | list[list[float]] | None = field(
-        default=None,
-        metadata={
-            "help": "Explicit slopes (positive) instead of the paper's x slope_scale: one per head for every layer, "
-            "or one such list per self-attention layer, in the model's order (hf_alibi.fit_slopes)."
-        },
+    slopes: list[float] | list[list[float]] | None = option(
+        None,
+        "Explicit slopes (positive) instead of the paper's x slope_scale: one per head for every layer, or one such "
+        "list per self-attention layer, in the model's order (hf_alibi.fit_slopes).",
+        flag_help="explicit slopes a,b,... (one per head)",
+        parse=slope_list,
+        describe=lambda s: None if s.slopes is None else "slopes: explicit (--slopes)",
     )
-    position_mean: int = field(
-        default=0,
-        metadata={
-            "help": "Absolute rows only: the mean of the first `position_mean` rows of the removed position table "
-            "was added to the token-type (else token) embeddings at conversion, a weight edit recorded here (the "
-            "saved weights carry it; nothing is redone on load). 0: the table just goes (the paper)."
-        },
+    rotary_max_wavelength: float | None = option(
+        None,
+        "Rotary rows only: keep the rotary frequencies whose wavelength 2*pi/inv_freq is at most this (the others "
+        "are removed: cos=1, sin=0). None: remove the rotary embedding entirely.",
+        flag_help="rotary: keep wavelengths <= X",
+        parse=float,
+        presets={"pretrained": OriginalLength(8.0)},
+        applies=lambda row, config: row.strategy == "rotary",
+        describe=lambda s: (
+            None
+            if (s.architecture or {}).get("strategy") != "rotary"
+            else "rotary frequencies: "
+            + ("removed" if s.rotary_max_wavelength is None else f"kept up to wavelength {s.rotary_max_wavelength:g}")
+        ),
     )
-    table_max_wavelength: float | None = field(
-        default=None,
-        metadata={
-            "help": "Encoder absolute rows only: keep the learned position table's Fourier components of wavelength "
-            "at most this (tokens), repeated past the table; the others (and its mean) are removed. None: the "
-            "table goes entirely (the paper)."
-        },
+    position_mean: int = option(
+        0,
+        "Absolute rows only: the mean of the first `position_mean` rows of the removed position table was added to "
+        "the token-type (else token) embeddings at conversion, a weight edit recorded here (the saved weights carry "
+        "it; nothing is redone on load). 0: the table just goes (the paper).",
+        flag_help="learned tables: fold the mean of the first N rows in",
+        parse=int,
+        presets={"pretrained": 128},
+        applies=lambda row, config: row.strategy == "absolute",
+        describe=lambda s: (
+            f"position table's mean (first {s.position_mean} rows) kept in the embeddings" if s.position_mean else None
+        ),
+    )
+    table_max_wavelength: float | None = option(
+        None,
+        "Encoder absolute rows only: keep the learned position table's Fourier components of wavelength at most "
+        "this (tokens), repeated past the table; the others (and its mean) are removed. None: the table goes "
+        "entirely (the paper).",
+        flag_help="encoders' tables: keep wavelengths <= X (0: none)",
+        parse=float,
+        presets={"pretrained": OriginalLength(1.0)},
+        applies=lambda row, config: row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
+        describe=lambda s: (
+            None
+            if s.table_max_wavelength is None
+            else f"position table's wavelengths <= {s.table_max_wavelength:g} kept ({s.table_rows} rows, repeated)"
+        ),
     )
     table_rows: int = field(
         default=0,
@@ -155,6 +233,25 @@ class AlibiSettings:
         if unknown:
             raise ValueError(f"Unknown ALiBi settings {sorted(unknown)} in config.alibi; known: {sorted(known)}.")
         return cls(**data)
+
+
+def conversion_options() -> tuple[dataclasses.Field, ...]:
+    """The conversion options (fields declared with :func:`option`), in their order.
+
+    >>> [f.name for f in conversion_options()][:2]
+    ['sinks', 'slope_scale']
+    """
+    return tuple(f for f in dataclasses.fields(AlibiSettings) if f.metadata.get("option"))
+
+
+def describe_options(settings: AlibiSettings) -> str:
+    """The options of ``settings`` as one line (``hf-alibi info``), each as its declaration says it.
+
+    >>> describe_options(AlibiSettings("gpt2", 4))
+    "sinks: 0; slopes: the paper's"
+    """
+    parts = (f.metadata["describe"](settings) for f in conversion_options() if f.metadata["describe"])
+    return "; ".join(part for part in parts if part)
 
 
 def _as_floats(slopes):

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, de
 from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..fit import fit_slopes
-from ..patch import is_alibi_model, patch_model, settings_for
+from ..patch import is_alibi_model, patch_model, settings_for, takes_options
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
@@ -54,6 +54,7 @@ class _AgreementCallback(TrainerCallback):
             self.evaluate(state.global_step)
 
 
+@takes_options
 def recover(
     model: PreTrainedModel,
     texts: Sequence[str] | torch.Tensor,
@@ -87,6 +88,7 @@ def recover(
     output_dir: str | None = None,
     save_steps: int | None = None,
     resume_from_checkpoint: str | bool | None = None,
+    **options,
 ) -> RecoveryResult:
     """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
 
@@ -109,10 +111,12 @@ def recover(
         temperature, hidden_layers: see :func:`distillation_loss`.
         heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
             ``"pretrained"`` (its values live in :data:`hf_alibi.patch.PRESETS`); ``"paper"`` or None: the
-            paper's method.
+            paper's method. The conversion options (``sinks``, ``slope_scale``, ...: :func:`hf_alibi.patch_model`'s)
+            are passed to it too, checked before any work.
         fit_slopes: give the conversion slopes fitted per layer and head by the teacher on the first
             ``min(original maximum, 1024)`` training tokens (:func:`hf_alibi.fit_slopes`) instead of the preset's
-            uniform scale. Default: with a preset, on the models it can fit (decoder-only and encoders).
+            uniform scale. Default: with a preset and no ``slopes`` / ``slope_scale`` given, on the models it can
+            fit (decoder-only and encoders).
         lora_rank: 0 trains every weight; ``R > 0`` trains LoRA adapters of rank R on the attention and MLP
             projections only, merged into the weights at the end (the student is a normal converted model).
         warm_start_steps, attention_only_steps: the levers (module docstring).
@@ -157,6 +161,7 @@ def recover(
         raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
     kind = model_kind(model)
     preset = None if preset == "paper" else preset
+    settings_for(model.config, heads, encoder_variant, preset=preset, **options)  # the conversion's checks, first
     if learning_rate is None:
         learning_rate = default_learning_rate(kind, preset, lora_rank)
     try:
@@ -190,10 +195,10 @@ def recover(
     teacher = model
     was_training = teacher.training
     requires_grad = [p.requires_grad for p in teacher.parameters()]
-    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant)
+    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant, options)
     student = copy.deepcopy(teacher).requires_grad_(True)
-    fitted = {} if slopes is None else {"slopes": slopes}  # none given: patch_model's (or a caller's wrapper's)
-    patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **fitted)
+    fitted = {} if slopes is None else {"slopes": slopes}  # none fitted: the options' (or the preset's)
+    patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **{**options, **fitted})
     if warm_start_steps and position_table(teacher) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
@@ -294,15 +299,19 @@ def recover(
 FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (eager attention: heads x T^2 per layer)
 
 
-def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) -> list[list[float]] | None:
-    """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the preset's)."""
+def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant, options) -> list[list[float]] | None:
+    """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the options' or the
+    preset's)."""
+    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
     if fit is None:  # by default where it can (fit_slopes refuses encoder-decoders itself when asked)
-        fit = preset is not None and not getattr(teacher.config, "is_encoder_decoder", False)
+        fit = preset is not None and not given and not getattr(teacher.config, "is_encoder_decoder", False)
     if not fit:
         return None
+    if given:
+        raise ValueError(f"fit_slopes computes the slopes: drop {' and '.join(given)} (or pass fit_slopes=False).")
     if preset is None:
         raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
-    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset)
+    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset, **options)
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
     text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
     return fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
