@@ -42,7 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_alibi
 from hf_alibi.checkpoints import read_config
-from hf_alibi.core.config import conversion_options
+from hf_alibi.core.settings import conversion_options
 from hf_alibi.positions import original_length
 from hf_alibi.recover import recover
 

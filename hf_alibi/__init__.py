@@ -7,8 +7,9 @@ only); it never patches anything. Converting is explicit: :func:`patch_model`.
 from . import models  # noqa: F401  (the home of the Alibi<Class> classes; transformers reads it by name)
 from .core.architectures import Architecture
 from .core.bias import AlibiBias, set_attention_path
-from .core.config import AlibiSettings, get_settings, is_alibi_config
+from .core.config import get_settings, is_alibi_config
 from .core.dispatch import register_backends
+from .core.settings import AlibiSettings
 from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
 from .fit import fit_slopes

@@ -37,7 +37,7 @@ from .checkpoints import (
     read_config,
     staged_output,
 )
-from .core.config import AlibiSettings, conversion_options, describe_options
+from .core.settings import AlibiSettings, conversion_options, describe_options
 from .core.slopes import ENCODER_VARIANTS, scaled_slopes_list
 from .fit import fit_slopes
 from .gguf import GGUFExportError, export_gguf

@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .core.config import AlibiSettings, OriginalLength, conversion_options, get_settings, is_alibi_config
+from .core.config import get_settings, is_alibi_config
 from .core.modeling import check_fits, check_sinks_fit, convert
+from .core.settings import AlibiSettings, OriginalLength, conversion_options
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
 from .registry import alibi_classes, get_architecture
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# Named settings for patch_model(preset=...), gathered from the options' declarations (core/config.py): the one
+# Named settings for patch_model(preset=...), gathered from the options' declarations (core/settings.py): the one
 # place to change when better values are measured. "pretrained": for a pretrained checkpoint (no training after
 # the conversion, or before recovery); how each value was measured: docs/measurements.md.
 PRESETS: dict[str, dict[str, Any]] = {}

@@ -14,18 +14,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .architectures import Architecture, check_strategy, find_architecture
 from .bias import AlibiBias
 from .compat import cache_argument, is_exporting, register_recorded_outputs, zeros_unless_loaded
-from .config import (
-    AlibiConfigMixin,
-    AlibiSettings,
-    alibi_config_class,
-    alibi_config_copy,
-    get_settings,
-    is_per_layer,
-    rebind_config,
-)
+from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .mask import MaskCache
 from .names import check_backend
 from .packing import document_starts, is_packed
+from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
 from .strategies import STRATEGIES, RetainedTable, find_modules
 

@@ -406,7 +406,7 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
     import inspect
 
     from hf_alibi import cli
-    from hf_alibi.core.config import AlibiSettings, conversion_options, describe_options, slope_list
+    from hf_alibi.core.settings import AlibiSettings, conversion_options, describe_options, slope_list
     from hf_alibi.recover import recover
 
     options = conversion_options()
