@@ -132,5 +132,21 @@ def check_settings(original: int | None = None, **settings) -> None:
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")
 
 
+def check_text_length(tokens: int, length: int, enough: bool) -> None:
+    """The one error for text too short to recover at ``length`` (``tokens`` in all; ``enough``: whether it holds
+    a training window and a held-out slice, as the caller splits it).
+
+    >>> check_text_length(20, 16, enough=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: The text is too short: 20 tokens, but recovering at length 16 needs ...
+    """
+    if not enough:
+        raise ValueError(
+            f"The text is too short: {tokens} tokens, but recovering at length {length} needs at least one training "
+            f"window of {length} tokens and a held-out slice of {length + 1} ({2 * length + 1} tokens in all). Pass "
+            "more text, or a smaller length (--length)."
+        )
+
+
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

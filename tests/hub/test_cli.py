@@ -23,7 +23,7 @@ from sharing import (
 from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
 
 import hf_alibi
-from hf_alibi import cli
+from hf_alibi import checkpoints, cli
 from hf_alibi.hub import auto_classes_for
 
 ARCHITECTURES = sorted(TINY_BY_TYPE)  # the full cases (tests/arch_cases.py)
@@ -78,7 +78,7 @@ def test_convert_writes_a_complete_alibi_checkpoint(converted):
 
 def test_converted_checkpoint_equals_patch_model_of_the_source(converted):
     model_type, src, out = converted
-    original_class = cli.model_class_for(json.loads((src / "config.json").read_text()))
+    original_class = checkpoints.model_class_for(json.loads((src / "config.json").read_text()))
     reference = hf_alibi.patch_model(original_class.from_pretrained(src)).eval()
     loaded = type(reference).from_pretrained(out).eval()
     assert type(loaded) is type(reference)
@@ -277,7 +277,7 @@ def loaded_without_hf_alibi(conversions, tmp_path_factory):
             continue  # the converted fixture reports it
         src, out = conversion
         try:
-            model = cli.model_class_for(json.loads((src / "config.json").read_text())).__name__
+            model = checkpoints.model_class_for(json.loads((src / "config.json").read_text())).__name__
             auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == model)
             reference = getattr(transformers, auto_name).from_pretrained(out).eval()  # hf_alibi's classes
             inputs = example_inputs(model_type, reference)
