@@ -78,10 +78,9 @@ def get_architecture(model_type: str) -> Architecture:
 
 def alibi_classes(model_type: str) -> dict[type, type]:
     """transformers class -> ``Alibi<Class>`` for a registered ``model_type`` (made on first use)."""
-    row = get_architecture(model_type)
     classes = _CLASSES.get(model_type)
-    if classes is None:
-        classes = _CLASSES[model_type] = _model_classes(row, _CONFIG_CLASSES[model_type])
+    if classes is None:  # the row is looked up (an error for an unknown type) only to make them
+        classes = _CLASSES[model_type] = _model_classes(get_architecture(model_type), _CONFIG_CLASSES[model_type])
     return classes
 
 
