@@ -8,6 +8,7 @@ from pathlib import Path
 from ..checkpoints import is_hub_id
 from ..core.compat import name_or_path
 from ..core.config import get_settings
+from ..core.settings import conversion_options
 from ..core.slopes import scaled_slopes_list
 from ..core.version import __version__
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
@@ -114,24 +115,14 @@ Slopes `m_h` in use, {slopes_scope}: {slopes}.
 def training_note(settings, recovered: bool = False) -> str:
     """What the card says about training, from the settings: true for every preset and option.
 
-    >>> training_note(AlibiSettings(heads=4)).startswith("Note: converting does not train.")
+    >>> training_note(AlibiSettings("gpt2", 4)).startswith("Note: converting does not train.")
     True
     """
     if recovered:
         return "Note: this checkpoint was recovered after conversion (see *Recovery* below)."
-    kept = []  # what the conversion kept of the pretrained model's sense of order
-    if settings.sinks:
-        kept.append(f"{settings.sinks} attention sink{'s' if settings.sinks > 1 else ''}")
-    if settings.rotary_max_wavelength is not None:
-        kept.append(f"the rotary frequencies of wavelength <= {settings.rotary_max_wavelength:g}")
-    if settings.table_max_wavelength is not None:
-        kept.append(f"the position table's components of wavelength <= {settings.table_max_wavelength:g}")
-    if settings.position_mean:
-        kept.append(f"the mean of the position table's first {settings.position_mean} rows")
-    if settings.slopes is not None:
-        kept.append("slopes given per head")
-    elif settings.slope_scale != 1.0:
-        kept.append(f"the paper's slopes x {settings.slope_scale:g}")
+    # the options that differ from the paper's, each as its declaration says it (hf-alibi info's words)
+    changed = [f for f in conversion_options() if getattr(settings, f.name) != f.default]
+    kept = [text for f in changed if (text := f.metadata["describe"](settings))]
     if not kept:
         return (
             "Note: converting does not train. With the paper's settings the position path is simply removed: a "
