@@ -46,16 +46,19 @@ def option(
     presets: dict[str, Any] | None = None,
     applies: Callable[[Any, Any], bool] | None = None,
     describe: Callable[[AlibiSettings], str | None] | None = None,
+    refusal: str | None = None,
 ):
     """A conversion option, declared once as a field of :class:`AlibiSettings` (saved in config.json):
     :func:`hf_alibi.patch_model`, ``settings_for``, ``recover`` and the checkpoint jobs take it as a keyword,
     ``hf-alibi convert`` and ``recover`` as ``--name-with-dashes`` (``parse``, ``flag_help``), each preset in
     ``presets`` sets it (an :class:`OriginalLength`: that multiple of the original length) where
     ``applies(row, original config)``, and ``hf-alibi info`` says it with ``describe(settings)`` (None: nothing).
-    Its checks are :func:`check_pretrained_options`' (the one place).
+    Its checks are :func:`check_pretrained_options`' (the one place): a value other than the default where
+    ``applies(row, None)`` is False is refused with ``refusal`` (formatted with ``model_type``, ``strategy`` and
+    ``kind``; None: the option is not refused by row, as sinks, which fit by the model's config).
     """
     metadata = {"help": help, "option": True, "flag_help": flag_help, "parse": parse}
-    metadata.update(presets=presets or {}, applies=applies, describe=describe)
+    metadata.update(presets=presets or {}, applies=applies, describe=describe, refusal=refusal)
     return field(default=default, metadata=metadata)
 
 
@@ -120,6 +123,8 @@ class AlibiSettings:
         parse=float,
         presets={"pretrained": OriginalLength(8.0)},
         applies=lambda row, config: row.strategy == "rotary",
+        refusal="rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position path. "
+        "Leave it None.",
         describe=lambda s: (
             None
             if (s.architecture or {}).get("strategy") != "rotary"
@@ -136,6 +141,8 @@ class AlibiSettings:
         parse=int,
         presets={"pretrained": 128},
         applies=lambda row, config: row.strategy == "absolute",
+        refusal="position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
+        "position path. Leave it 0.",
         describe=lambda s: (
             f"position table's mean (first {s.position_mean} rows) kept in the embeddings" if s.position_mean else None
         ),
@@ -149,6 +156,8 @@ class AlibiSettings:
         parse=float,
         presets={"pretrained": OriginalLength(1.0)},
         applies=lambda row, config: row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
+        refusal="table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
+        "{model_type} is {kind}. Leave it None.",
         describe=lambda s: (
             None
             if s.table_max_wavelength is None
@@ -264,24 +273,11 @@ def check_pretrained_options(
             f"position_mean must be an integer >= 0 (how many first rows of the position table to average), "
             f"got {position_mean!r}."
         )
-    strategy = (architecture or {}).get("strategy")
-    if position_mean and strategy not in (None, "absolute"):
-        model_type = (architecture or {}).get("model_type")
-        raise ValueError(
-            f"position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
-            "position path. Leave it 0."
-        )
     if table_max_wavelength is not None:
         if not _is_number(table_max_wavelength) or table_max_wavelength < 2:
             raise ValueError(
                 "table_max_wavelength must be a number >= 2 (a wavelength in tokens), or 0 / None to remove the "
                 f"table, got {table_max_wavelength!r}."
-            )
-        if strategy not in (None, "absolute") or not (architecture or {}).get("bidirectional", True):
-            model_type = (architecture or {}).get("model_type")
-            raise ValueError(
-                "table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
-                f"{model_type} is {'a decoder' if strategy == 'absolute' else f'a {strategy!r} row'}. Leave it None."
             )
     if not isinstance(table_rows, int) or isinstance(table_rows, bool) or table_rows < 0:
         raise ValueError(f"table_rows must be an integer >= 0, got {table_rows!r}.")
@@ -291,10 +287,14 @@ def check_pretrained_options(
                 "rotary_max_wavelength must be a number > 0 (a wavelength in tokens) or None, "
                 f"got {rotary_max_wavelength!r}."
             )
-        strategy = (architecture or {}).get("strategy", "rotary")
-        if strategy != "rotary":
-            model_type = (architecture or {}).get("model_type")
-            raise ValueError(
-                f"rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position "
-                "path. Leave it None."
-            )
+    if architecture is not None:  # where each option applies: its declaration's applies / refusal
+        row = type("Row", (), {"bidirectional": False, **architecture})  # the row's fields as attributes
+        given = dict(
+            sinks=sinks, slope_scale=slope_scale, slopes=slopes, position_mean=position_mean,
+            rotary_max_wavelength=rotary_max_wavelength, table_max_wavelength=table_max_wavelength,
+        )  # fmt: skip
+        for option in conversion_options():
+            applies, refusal = option.metadata["applies"], option.metadata["refusal"]
+            if refusal and given[option.name] != option.default and not applies(row, None):
+                kind = "a decoder" if row.strategy == "absolute" else f"a {row.strategy!r} row"
+                raise ValueError(refusal.format(model_type=row.model_type, strategy=row.strategy, kind=kind))
