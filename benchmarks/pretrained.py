@@ -25,9 +25,6 @@ the evaluated tokens).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import inspect
 import json
 import math
 import random
@@ -44,13 +41,21 @@ from builders import build_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_alibi
-from hf_alibi.checkpoints import original_length, read_config
+from hf_alibi.checkpoints import read_config
+from hf_alibi.core.settings import conversion_options
+from hf_alibi.positions import original_length
 from hf_alibi.recover import recover
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = " What is the pass key? The pass key is"
 DEFAULT_ARMS = ("original", "yarn:2", "yarn:4", "paper", "pretrained")
-FLOAT_OPTIONS = ("slope_scale", "rotary_max_wavelength")
+# an arm's keys: the conversion options as declared (but slopes: its commas are the arm's separators), and these
+ARM_OPTIONS = {
+    **{f.name: f.metadata["parse"] for f in conversion_options() if f.name != "slopes"},
+    "preset": str.strip,
+    "fit": float,  # fit_slopes' scale
+    "yarn": float,  # YaRN's factor on the rotary the conversion keeps
+}
 
 
 @dataclass
@@ -83,18 +88,13 @@ def parse_arm(text: str) -> Arm:
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
         key = key.strip()
-        if key == "sinks":
-            options[key] = int(value)
-        elif key in FLOAT_OPTIONS or key in ("fit", "yarn"):
-            options[key] = float(value)
-        elif key == "preset":
-            options[key] = value.strip()
-        else:
+        if key not in ARM_OPTIONS:
             raise SystemExit(
                 f"--arm {text!r}: unknown option {key!r}; use original, yarn:F, paper, pretrained or "
-                "key=value pairs of sinks, slope_scale, rotary_max_wavelength, preset, fit (fit_slopes' scale), "
-                "yarn (YaRN's factor on the rotary the conversion keeps)."
+                f"key=value pairs of {', '.join(ARM_OPTIONS)} (fit: fit_slopes' scale; yarn: YaRN's factor on the "
+                "rotary the conversion keeps)."
             )
+        options[key] = ARM_OPTIONS[key](value)
     return Arm(text, "alibi", options)
 
 
@@ -289,26 +289,11 @@ def measure(model, text: Text, args, bounds: list[int]) -> dict:
 # ---------------------------------------------------------------- recovery
 
 
-@contextlib.contextmanager
-def conversion_options(options: dict):
-    """Give ``recover()`` this arm's patch_model options (no preset unless the arm names one, as ``patch_model``;
-    ``recover()`` itself defaults to the preset): as keywords where its signature takes them, else by wrapping
-    ``hf_alibi.patch_model`` (which recover calls) for the duration."""
-    accepted = inspect.signature(recover).parameters
-    # an arm without a preset is the paper's conversion plus its options; recover() fits no slopes of its own
-    # (a fit=SCALE arm brings its fitted slopes): the arm recovered is the arm measured
-    options = {"preset": None, "fit_slopes": False, **options}
-    direct = {k: v for k, v in options.items() if k in accepted}
-    rest = {k: v for k, v in options.items() if k not in accepted}
-    if not rest:
-        yield direct
-        return
-    original = hf_alibi.patch_model
-    hf_alibi.patch_model = functools.partial(original, **rest)
-    try:
-        yield direct
-    finally:
-        hf_alibi.patch_model = original
+def recover_options(options: dict) -> dict:
+    """``recover()``'s conversion keywords for this arm's patch_model options: no preset unless the arm names one
+    (as ``patch_model``; ``recover()`` itself defaults to the preset), and no slopes fitted by recover() (a
+    fit=SCALE arm brings its fitted slopes): the arm recovered is the arm measured."""
+    return {"preset": None, "fit_slopes": False, **options}
 
 
 def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[torch.nn.Module, dict]:
@@ -328,22 +313,21 @@ def recovered(folder: str, arm: Arm, native: int, text: Text, args) -> tuple[tor
     extra = {} if args.recover_lr is None else {"learning_rate": args.recover_lr}
     if args.recover_lora_rank:
         extra["lora_rank"] = args.recover_lora_rank
-    with conversion_options(arm.options) as direct:
-        result = recover(
-            teacher,
-            train,
-            length=args.recover_length,
-            max_steps=args.recover_steps,
-            batch_size=args.recover_batch,
-            eval_texts=held,
-            max_eval_tokens=held.numel() - 1,
-            eval_factors=(1,),
-            eval_every=0,
-            progress=False,
-            log=None,
-            **direct,
-            **extra,
-        )
+    result = recover(
+        teacher,
+        train,
+        length=args.recover_length,
+        max_steps=args.recover_steps,
+        batch_size=args.recover_batch,
+        eval_texts=held,
+        max_eval_tokens=held.numel() - 1,
+        eval_factors=(1,),
+        eval_every=0,
+        progress=False,
+        log=None,
+        **recover_options(arm.options),
+        **extra,
+    )
     info = {"recover_tokens": result.info["tokens"], "recover_seconds": result.info["train_seconds"]}
     info["recover_lr"] = result.info["learning_rate"]
     info["recover_lora_rank"] = result.info["lora_rank"]

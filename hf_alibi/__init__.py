@@ -7,22 +7,26 @@ only); it never patches anything. Converting is explicit: :func:`patch_model`.
 from . import models  # noqa: F401  (the home of the Alibi<Class> classes; transformers reads it by name)
 from .core.architectures import Architecture
 from .core.bias import AlibiBias, set_attention_path
-from .core.config import AlibiSettings, get_settings, is_alibi_config
+from .core.config import get_settings, is_alibi_config
 from .core.dispatch import register_backends
+from .core.settings import AlibiSettings
 from .core.slopes import alibi_bias, get_slopes, get_slopes_list
 from .core.version import __version__
 from .fit import fit_slopes
 from .gguf import export_gguf
+from .hub.saving import AlibiPreTrainedMixin
 from .patch import is_alibi_model, patch_model
 from .registry import (
     ARCHITECTURES,
     get_architecture,
     register_architecture,
     register_builtin_architectures,
+    set_model_bases,
     supported_model_types,
 )
 
 register_backends()
+set_model_bases(AlibiPreTrainedMixin)  # given to the registry, which imports nothing of hub/
 register_builtin_architectures()
 
 __all__ = [

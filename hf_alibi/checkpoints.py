@@ -3,9 +3,9 @@
 Every question the CLI, recovery, the Hub code and the scripts ask about a checkpoint has its one
 answer here: is SRC a folder or a Hub id (:func:`source_kind`), what its config.json says
 (:func:`read_config`), is that config an ALiBi one (:func:`is_alibi`), which class loads it
-(:func:`model_class_for`), how long its inputs were (:func:`original_length`), may OUT be written
-(:func:`check_output`), and how OUT is written without ever leaving half a folder
-(:func:`staged_output`). Bad input raises :class:`CheckpointError` (a ``ValueError``) with one line
+(:func:`model_class_for`), may OUT be written (:func:`check_output`), and how OUT is written without
+ever leaving half a folder (:func:`staged_output`); how long the original's inputs were is
+:func:`hf_alibi.positions.original_length`. Bad input raises :class:`CheckpointError` (a ``ValueError``) with one line
 that says what to do; the CLI prints it and exits with status 2.
 
 Example:
@@ -27,7 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, is_alibi_config
+from .registry import alibi_classes, get_architecture
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,10 +40,6 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
     "tokenizer.model",
 )
-
-# RoBERTa and the models built on its embeddings count positions from padding_idx + 1: the table has
-# max_position_embeddings rows, of which the first pad_token_id + 1 are never used by a real token.
-ROBERTA_LIKE = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm"})
 
 
 class CheckpointError(ValueError):
@@ -213,9 +211,6 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
     """
     import transformers
 
-    from .core.compat import auto_class_names
-    from .registry import alibi_classes, get_architecture
-
     model_type = config_dict["model_type"]
     if is_alibi(config_dict) or str(model_type).startswith(MODEL_TYPE_PREFIX):
         raise CheckpointError(
@@ -234,37 +229,6 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
         if auto_name in auto and hasattr(transformers, auto[auto_name]):
             return getattr(transformers, auto[auto_name])
     raise CheckpointError(f"hf_alibi found no model class to load {model_type!r} with.")
-
-
-def original_length(config: Mapping[str, Any] | Any) -> int | None:
-    """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
-    or a model): ``n_positions`` or ``max_position_embeddings``, less RoBERTa's offset, else None (T5:
-    relative positions, no limit stated; an ALiBi config: no limit).
-
-    RoBERTa's table has ``max_position_embeddings`` rows but numbers positions from ``pad_token_id + 1``,
-    so its usable length is ``max_position_embeddings - pad_token_id - 1`` (514 - 1 - 1 = 512 for
-    roberta-base); a null ``pad_token_id`` counts as 0 (transformers' RoBERTa cannot run without one).
-
-    >>> original_length({"model_type": "roberta", "max_position_embeddings": 66, "pad_token_id": 1})
-    64
-    """
-    config = getattr(config, "config", config)  # a model: its config
-    if is_alibi(config):  # its length fields answer "no maximum" (core.config.NO_MAXIMUM), not the original's
-        return None
-    if isinstance(config, Mapping):
-        get = config.get
-    else:
-
-        def get(key, default=None):
-            return getattr(config, key, default)
-
-    for key in ("n_positions", "max_position_embeddings"):
-        value = get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            model_type = str(get("model_type", "") or "").removeprefix(MODEL_TYPE_PREFIX)
-            offset = (get("pad_token_id") or 0) + 1 if model_type in ROBERTA_LIKE else 0
-            return value - offset
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------- output
@@ -343,7 +307,6 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
 
 __all__ = [
     "CheckpointError",
-    "ROBERTA_LIKE",
     "TOKENIZER_FILES",
     "check_hub_source",
     "check_output",
@@ -352,7 +315,6 @@ __all__ = [
     "is_hub_id",
     "is_local",
     "model_class_for",
-    "original_length",
     "read_config",
     "source_kind",
     "staged_output",

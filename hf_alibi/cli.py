@@ -6,8 +6,13 @@
                              [--table-max-wavelength X]
                              [--fit-slopes TEXT_FILE [--fit-scale C] [--fit-tokens T]]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
-    hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [...]   (see hf_alibi.recover)
+    hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [the options above] [...]
+    hf-alibi export-gguf SRC OUT [--outtype f32|f16|bf16|q8_0] [--overwrite]
+    hf-alibi serve MODEL [transformers serve options]
     hf-alibi info PATH [--json]
+
+The jobs are :mod:`hf_alibi.jobs` (``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``); this
+module parses, calls one and reports.
 
 SRC is a local checkpoint folder or a Hub id. OUT gets safetensors weights, config.json with the ALiBi
 settings and ``auto_map``, ``modeling_alibi.py`` (for ``trust_remote_code=True``), the tokenizer when
@@ -19,197 +24,24 @@ SRC is only read. The Hub token is the usual one: ``HF_TOKEN`` or the stored ``h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
-from pathlib import Path
 
 from .checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
     CheckpointError,
-    check_output,
-    has_tokenizer,
-    is_alibi,
-    is_local,
-    model_class_for,
-    read_config,
-    staged_output,
+    is_hub_id,
 )
+from .core.settings import AlibiSettings, conversion_options, describe_options
+from .core.slopes import ENCODER_VARIANTS
 from .gguf import OUTTYPES, GGUFExportError, export_gguf
+from .jobs import checkpoint_info, convert_checkpoint, recover_checkpoint
+from .patch import OPTIONS, PRESETS
 
 
 class CliError(Exception):
     """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
-
-
-def convert(
-    src: str,
-    out: str | os.PathLike,
-    heads: int | None = None,
-    encoder_variant: str | None = None,
-    overwrite: bool = False,
-    fit_file: str | os.PathLike | None = None,
-    fit_scale: float | None = None,
-    fit_tokens: int = 1024,
-    **options,
-) -> Path:
-    """Convert the checkpoint ``src`` to ALiBi into the folder ``out`` (what ``hf-alibi convert`` does).
-
-    ``options`` are :func:`hf_alibi.patch_model`'s keyword arguments (``preset``, ``sinks``,
-    ``rotary_max_wavelength``, ``slope_scale``, ``slopes``, ``position_mean``, ``table_max_wavelength``). Every
-    argument is checked before the model is loaded. The folder is written next to ``out`` first and moved in place
-    at the end, so a failure leaves no half-written ``out`` (and with ``overwrite`` the old one stays until the new
-    one is complete).
-    It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
-
-    ``fit_file``: a text file; the slopes are fitted per layer and head on its first ``fit_tokens`` tokens by
-    the original (:func:`hf_alibi.fit_slopes`, ``scale`` ``fit_scale``) and given to ``patch_model`` as ``slopes``.
-
-    >>> convert("my-gpt2", "gpt2-alibi", preset="pretrained")  # doctest: +SKIP
-    """
-    from transformers import AutoConfig
-
-    import hf_alibi
-    from hf_alibi.hub import write_converted
-    from hf_alibi.patch import settings_for
-
-    out = Path(out)
-    check_output(src, out, overwrite)
-    config_dict = read_config(src)
-    model_cls = model_class_for(config_dict)
-    try:
-        config = AutoConfig.for_model(**config_dict)
-    except Exception as error:
-        raise CliError(f"SRC {src!r} has a config.json transformers cannot build a config from: {error}") from error
-    try:
-        settings = settings_for(config, heads, encoder_variant, **options)
-    except ValueError as error:
-        raise CliError(str(error)) from error
-    fit_text = _fit_text(fit_file, fit_scale, fit_tokens, options)
-    src_has_tokenizer = has_tokenizer(src)
-    if fit_text is not None and src_has_tokenizer is False:
-        raise CliError(f"--fit-slopes tokenizes the text with SRC's tokenizer, but SRC {src!r} has none.")
-    with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
-        try:
-            model = model_cls.from_pretrained(src)
-        except Exception as error:
-            raise CliError(f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}") from error
-        tokenizer = None
-        if src_has_tokenizer is not False:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(src)
-            except Exception as error:
-                if src_has_tokenizer or fit_text is not None:
-                    raise CliError(f"SRC {src!r} has tokenizer files that could not be loaded: {error}") from error
-        if fit_text is not None:
-            ids = tokenizer(fit_text, truncation=True, max_length=fit_tokens, return_tensors="pt")["input_ids"]
-            try:
-                scale = {} if fit_scale is None else {"scale": fit_scale}
-                options["slopes"] = hf_alibi.fit_slopes(model, ids, sinks=settings.sinks, **scale)
-            except ValueError as error:
-                raise CliError(str(error)) from error
-        try:
-            hf_alibi.patch_model(model, heads=heads, encoder_variant=encoder_variant, **options)
-        except ValueError as error:
-            raise CliError(str(error)) from error
-        write_converted(staging, model, src, tokenizer)
-    return out
-
-
-def describe(path: str) -> dict:
-    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict: the settings of
-    ``config.alibi`` (``slopes_given``: explicit slopes or None) and ``slopes``, the slopes in use."""
-    import hf_alibi
-    from hf_alibi.core.slopes import scaled_slopes_list
-
-    config_dict = read_config(path, label="PATH")
-    model_type = config_dict["model_type"]
-    info = {
-        "path": path,
-        "model_type": model_type,
-        "architectures": config_dict.get("architectures"),
-        "is_alibi": is_alibi(config_dict),
-    }
-    if info["is_alibi"]:
-        settings = hf_alibi.AlibiSettings.from_dict(config_dict["alibi"])
-        info.update(settings.to_dict())
-        info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
-        info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
-        info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
-        if is_local(path):
-            info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
-        if settings.encoder_variant == "learned":
-            info["learned_slopes"] = learned_slopes(path) if is_local(path) else None
-    else:
-        info["convertible"] = model_type in hf_alibi.supported_model_types()
-    if is_local(path):
-        info["tokenizer"] = has_tokenizer(path)
-    return info
-
-
-LEARNED_SUFFIXES = (".alibi.slopes_left", ".alibi.slopes_right")
-
-
-def learned_slopes(path: str | os.PathLike) -> dict[str, dict[str, list[float]]]:
-    """The learned encoder slopes saved in a checkpoint folder, per layer: ``-sigmoid`` of the saved
-    ``...alibi.slopes_left`` / ``slopes_right`` parameters (the bias is ``left * (i - j)`` for keys at or
-    left of the query, ``right * (j - i)`` right of it). Keys are the layers' parameter prefixes."""
-    import torch
-    from safetensors import safe_open
-
-    folder = Path(path).expanduser()
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CliError(f"PATH {str(path)!r} has no safetensors weights: the learned slopes cannot be read.")
-    raw: dict[str, dict[str, torch.Tensor]] = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as weights:
-            for key in weights.keys():
-                for suffix in LEARNED_SUFFIXES:
-                    if key.endswith(suffix):
-                        side = suffix.rsplit("_", 1)[1]  # "left" / "right"
-                        raw.setdefault(key.removesuffix(suffix), {})[side] = weights.get_tensor(key)
-    if not raw:
-        raise CliError(
-            f"PATH {str(path)!r} says encoder_variant 'learned' but its weights hold no learned slopes "
-            "(...alibi.slopes_left / slopes_right): the checkpoint is incomplete; save it again with save_pretrained."
-        )
-
-    def layer_order(prefix: str) -> list:  # numbered layers in numeric order: layer.2 before layer.10
-        return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in prefix.split(".")]
-
-    return {
-        prefix: {side: (-torch.sigmoid(raw[prefix][side].double())).tolist() for side in ("left", "right")}
-        for prefix in sorted(raw, key=layer_order)
-    }
-
-
-def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None:
-    """The text of ``--fit-slopes`` (None without it), every flag checked before anything loads."""
-    if fit_file is None:
-        if fit_scale is not None:
-            raise CliError("--fit-scale applies to --fit-slopes only: pass --fit-slopes TEXT_FILE too.")
-        return None
-    if options.get("slopes") is not None or options.get("slope_scale") is not None:
-        raise CliError("--fit-slopes computes the slopes: drop --slopes and --slope-scale.")
-    if fit_scale is not None and not fit_scale > 0:
-        raise CliError(f"--fit-scale must be > 0 (the slope of a head is C / its mean distance), got {fit_scale}.")
-    if fit_tokens < 2:
-        raise CliError(f"--fit-tokens must be at least 2, got {fit_tokens}.")
-    path = Path(fit_file).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise CliError(f"--fit-slopes {str(path)!r} could not be read as UTF-8 text ({error}).") from error
-    if not text.strip():
-        raise CliError(f"--fit-slopes {str(path)!r} holds no text. Pass text like the model's inputs.")
-    return text
 
 
 def _print_info(info: dict) -> None:
@@ -253,24 +85,11 @@ def _slopes_text(slopes: list) -> str:
 
 
 def _options_line(info: dict) -> str:
-    if info.get("slopes_given") is not None:
-        slopes = "explicit (--slopes)"
-    else:
-        scale = info.get("slope_scale", 1.0)
-        slopes = "the paper's" if scale == 1.0 else f"the paper's x {scale:g}"
-    line = f"sinks: {info.get('sinks', 0)}; slopes: {slopes}"
-    if (info.get("architecture") or {}).get("strategy") == "rotary":
-        wavelength = info.get("rotary_max_wavelength")
-        kept = "removed" if wavelength is None else f"kept up to wavelength {wavelength:g}"
-        line += f"; rotary frequencies: {kept}"
-    if info.get("position_mean"):
-        line += f"; position table's mean (first {info['position_mean']} rows) kept in the embeddings"
-    if info.get("table_max_wavelength") is not None:
-        line += (
-            f"; position table's wavelengths <= {info['table_max_wavelength']:g} kept "
-            f"({info.get('table_rows')} rows, repeated)"
-        )
-    return line
+    """The conversion options of an info report as one line, each as its declaration says it."""
+    names = {f.name for f in dataclasses.fields(AlibiSettings)}
+    saved = {k: v for k, v in info.items() if k in names}
+    saved["slopes"] = info.get("slopes_given")  # info's "slopes" are the ones in use
+    return describe_options(AlibiSettings.from_dict(saved))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -291,17 +110,17 @@ def _positive_int(text: str) -> int:
 _positive_int.__name__ = "positive integer"
 
 
-def _slope_list(text: str) -> list[float]:
-    return [float(part) for part in text.split(",")]
-
-
-_slope_list.__name__ = "comma-separated slopes"
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The conversion options as flags (``--slope-scale``, also ``--slope_scale``), from their declarations."""
+    for option in conversion_options():
+        dashed = "--" + option.name.replace("_", "-")
+        flags = (dashed, "--" + option.name) if "_" in option.name else (dashed,)
+        parser.add_argument(
+            *flags, dest=option.name, type=option.metadata["parse"], default=None, help=option.metadata["flag_help"]
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hf_alibi.core.slopes import ENCODER_VARIANTS
-    from hf_alibi.patch import PRESETS
-
     parser = _Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -315,16 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--preset", choices=sorted(PRESETS), default=None, help="pretrained: keep more of what a pretrained model knew"
     )
-    conv.add_argument("--sinks", type=int, default=None, help="first N tokens carry no distance penalty")
-    conv.add_argument("--rotary-max-wavelength", type=float, default=None, help="rotary: keep wavelengths <= X")
-    conv.add_argument("--slope-scale", type=float, default=None, help="multiplies the paper's slopes")
-    conv.add_argument("--slopes", type=_slope_list, default=None, help="explicit slopes a,b,... (one per head)")
-    conv.add_argument(
-        "--position-mean", type=int, default=None, help="learned tables: fold the mean of the first N rows in"
-    )
-    conv.add_argument(
-        "--table-max-wavelength", type=float, default=None, help="encoders' tables: keep wavelengths <= X (0: none)"
-    )
+    add_option_flags(conv)
     conv.add_argument(
         "--fit-slopes", metavar="TEXT_FILE", dest="fit_file", default=None,
         help="fit the slopes per layer and head on this text (hf_alibi.fit_slopes; instead of --slopes)",
@@ -376,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--preset", default="pretrained", help="conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"
     )
+    add_option_flags(rec)
     rec.add_argument(
         "--fit-slopes", "--fit_slopes", action=argparse.BooleanOptionalAction, default=None,
         help="slopes fitted per layer and head by SRC on the training text (default: with a preset)",
@@ -408,15 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# patch_model's keywords
-CONVERT_OPTIONS = (
-    "preset", "sinks", "rotary_max_wavelength", "slope_scale", "slopes", "position_mean", "table_max_wavelength",
-)  # fmt: skip
-
-
 def _check_push_arguments(args) -> None:
-    from hf_alibi.checkpoints import is_hub_id
-
     if args.push_to_hub is None:
         upload_flags = (("--private", args.private), ("--commit-message", args.commit_message))
         given = [flag for flag, value in upload_flags if value]
@@ -437,20 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             _check_push_arguments(args)
-            options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
-            out = convert(
+            options = {name: getattr(args, name) for name in ("preset", *OPTIONS)}
+            out = convert_checkpoint(
                 args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=args.fit_file,
                 fit_scale=args.fit_scale, fit_tokens=args.fit_tokens, **options,
             )  # fmt: skip
             print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
             if args.push_to_hub:
-                from hf_alibi.hub import push_folder
+                from .hub import push_folder
 
                 push_folder(out, args.push_to_hub, private=args.private or None, commit_message=args.commit_message)
                 print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
         elif args.command == "recover":
-            from hf_alibi.recover import recover_checkpoint
-
             out, result = recover_checkpoint(
                 args.src, args.out, args.train_file, validation_file=args.validation_file,
                 overwrite=args.overwrite, length=args.length, max_steps=args.max_steps,
@@ -460,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                 attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
                 preset=args.preset, fit_slopes=args.fit_slopes, lora_rank=args.lora_rank,
                 max_eval_length=args.max_eval_length, save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
-                resume_from_checkpoint=args.resume_from_checkpoint,
+                resume_from_checkpoint=args.resume_from_checkpoint, **{name: getattr(args, name) for name in OPTIONS},
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":
             path = export_gguf(args.src, args.out, outtype=args.outtype, overwrite=args.overwrite)
             print(f"Wrote {path} ({args.outtype}): llama-cli -m {path}")
         elif args.command == "info":
-            info = describe(args.path)
+            info = checkpoint_info(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
     except (CliError, CheckpointError, GGUFExportError) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .checkpoints import original_length
+from .positions import position_limit
 
 PROTOCOLS = ("nonoverlapping", "sliding")
 
@@ -50,21 +50,6 @@ def score_windows(num_tokens: int, length: int, stride: int | None = None) -> li
         windows.append((max(0, end - length), end, scored))
         scored = end
     return windows
-
-
-def position_limit(model: nn.Module) -> int | None:
-    """Longest input a model's learned absolute position table allows (GPT-2's ``wpe``, BERT-style
-    ``position_embeddings``, OPT's ``embed_positions``), or None when it has none (ALiBi, rotary,
-    relative). The length is :func:`hf_alibi.checkpoints.original_length` of the model's config (RoBERTa:
-    the table less its padding offset); a module without a config: the table's rows less its ``offset``."""
-    base = getattr(model, "base_model", model)
-    for name in ("wpe", "position_embeddings", "embed_positions"):
-        for module_name, module in base.named_modules():
-            if module_name.split(".")[-1] == name and isinstance(module, nn.Embedding):
-                config = getattr(model, "config", None)
-                length = original_length(config) if config is not None else None
-                return length or module.num_embeddings - getattr(module, "offset", 0)  # OPT-style offset
-    return None
 
 
 def _dist():

@@ -16,9 +16,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .core.architectures import find_architecture
+from .core.compat import attn_implementation
+from .core.config import is_alibi_config
 from .core.modeling import self_attentions
 
-DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/pretrained.md)
+DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)
 
 
 @torch.no_grad()
@@ -56,11 +58,9 @@ def fit_slopes(
         >>> slopes = hf_alibi.fit_slopes(model, ids)  # doctest: +SKIP
         >>> hf_alibi.patch_model(model, preset="pretrained", slopes=slopes)  # doctest: +SKIP
     """
-    from .patch import is_alibi_model
-
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"fit_slopes expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    if is_alibi_model(model):
+    if is_alibi_config(model.config):
         raise ValueError("fit_slopes measures the ORIGINAL model's attention: pass the model before patch_model.")
     config = model.config
     row = find_architecture(config.model_type)
@@ -95,7 +95,7 @@ def fit_slopes(
             kept = weights.sum(-1).clamp(min=1e-12)
             means[index] = ((weights * distance.to(weights.device)).sum(-1) / kept).mean(dim=(0, 2)).cpu()  # (H,)
 
-    previous = config._attn_implementation
+    previous = attn_implementation(config)
     was_training = model.training
     hooks = [module.register_forward_hook(partial(reduce, i)) for i, module in enumerate(attentions)]
     model.set_attn_implementation("eager")

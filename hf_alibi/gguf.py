@@ -30,6 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoints import is_alibi, read_config
+from .core.config import get_settings, is_alibi_config
+
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # each checked against llama.cpp itself (tests/hub/test_gguf.py); the others differ in their block (norms with an
 # offset or bias, scaled embeddings or residuals, q/k norms, non-gated MLPs, mixtures of experts, soft-capping)
@@ -97,8 +100,6 @@ def _load(src, tokenizer):
         return src, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .checkpoints import is_alibi, read_config
-
     folder = Path(src)
     config = read_config(folder)
     if not is_alibi(config):
@@ -114,8 +115,6 @@ def _load(src, tokenizer):
 
 def check_exportable(model) -> str:
     """The llama.cpp architecture ``model`` runs as exactly (``"refact"`` or ``"mpt"``), else a one-line error."""
-    from .core.config import get_settings, is_alibi_config
-
     config = model.config
     if not is_alibi_config(config):
         raise GGUFExportError("This model is not converted to ALiBi: hf_alibi.patch_model it first.")

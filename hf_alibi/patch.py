@@ -1,131 +1,130 @@
-"""``patch_model``: convert a transformers model to ALiBi, in place."""
+"""``patch_model``: convert a transformers model to ALiBi, in place.
+
+The conversion options (``sinks``, ``slope_scale``, ``slopes``, ``rotary_max_wavelength``, ``position_mean``,
+``table_max_wavelength``) are declared once, as fields of :class:`hf_alibi.AlibiSettings` (``core.config.option``):
+the keywords of :func:`patch_model`, :func:`settings_for` and the functions :func:`takes_options` marks, the
+presets (:data:`PRESETS`), the CLI's flags and ``hf-alibi info``'s line all come from there.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .core.config import AlibiSettings, get_settings, is_alibi_config
-from .core.modeling import check_sinks_fit, check_slopes_fit, convert, self_attentions, sinks_fit
+from .core.config import get_settings, is_alibi_config
+from .core.modeling import check_fits, check_sinks_fit, convert
+from .core.settings import AlibiSettings, OriginalLength, conversion_options
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
 from .registry import alibi_classes, get_architecture
 
-
-@dataclass(frozen=True)
-class OriginalLength:
-    """A preset's wavelength bound as a multiple of the original ``max_position_embeddings`` (the rotary bound on
-    rotary rows, the table's on encoders' learned tables)."""
-
-    times: float = 1.0
-
-
-# Named settings for patch_model(preset=...): the one table to change when better values are measured.
-# "pretrained": for a pretrained checkpoint (no training after the conversion, or before recovery).
-# Measured on SmolLM2-135M-Instruct (8k context), English prose, no training (docs/pretrained.md): the
-# paper's method 6,610 at 256 tokens (17.6 unconverted). One attention sink is essential (sinks=0 with
-# slopes x 0.1: 38x the original's perplexity at 1024; 4 sinks are no better than 1); slopes x 0.01 are
-# within 1.02x at 1024 (x 0.1: 1.21x); removing the rotary frequencies of wavelength > 8192 costs nothing at
-# 1024 but 3.4x at 4096, while a bound of 8 x 8192 (26 of 32 frequencies kept) is 1.07x at 4096, the same as
-# keeping every frequency. position_mean (absolute rows; where the table's owner cannot take it, the preset
-# leaves it out): all-MiniLM-L6-v2 (512 learned positions), cosine of mean-pooled embeddings to the original's
-# at 256 tokens, no training: 0.715 without, 0.790 with the mean of the first 128 rows (64: 0.767, 512: 0.760).
-# table_max_wavelength (encoders' learned tables; the bound a multiple of the table's length): the same model,
-# cosine at 128 / 256 / 512 tokens of prose windows, untrained and after 100 recovery steps of 8 x 256, with the
-# components of wavelength <= 128 / 256 / 512 kept: 0.963 / 0.916 / 0.858 -> 0.960 / 0.956 / 0.917; 0.995 / 0.957
-# / 0.890 -> 0.977 / 0.975 / 0.928; 0.995 / 0.980 / 0.933 -> 0.986 / 0.984 / 0.969 (all but the mean: the preset),
-# passage retrieval in 2048-token documents 0.64 / 0.65 / 0.68 untrained against the truncated original's 0.36.
-PRESETS: dict[str, dict] = {
-    "pretrained": {
-        "sinks": 1,
-        "rotary_max_wavelength": OriginalLength(8.0),
-        "slope_scale": 0.01,
-        "position_mean": 128,
-        "table_max_wavelength": OriginalLength(1.0),
-    },
-}
+OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
+# Named settings for patch_model(preset=...), gathered from the options' declarations (core/settings.py): the one
+# place to change when better values are measured. "pretrained": for a pretrained checkpoint (no training after
+# the conversion, or before recovery); how each value was measured: docs/measurements.md.
+PRESETS: dict[str, dict[str, Any]] = {}
+for _field in conversion_options():
+    for _name, _value in _field.metadata["presets"].items():
+        PRESETS.setdefault(_name, {})[_field.name] = _value
 
 
-def resolve_options(
-    config,
-    row,
-    preset: str | None = None,
-    *,
-    sinks: int | None = None,
-    rotary_max_wavelength: float | None = None,
-    slope_scale: float | None = None,
-    slopes: list[float] | None = None,
-    position_mean: int | None = None,
-    table_max_wavelength: float | None = None,
-) -> dict:
-    """The pretrained options ``patch_model`` stores: the preset's, overridden by the explicit ones.
+def takes_options(function: Callable) -> Callable:
+    """Give ``function`` (whose last parameter is ``**options``) the conversion options as keyword-only
+    parameters: its signature lists them (default None: the preset's value, else the paper's) and an unknown
+    keyword is a ``TypeError``, as for a written-out signature.
 
-    ``config`` is the ORIGINAL config (its ``max_position_embeddings`` is cleared by the conversion);
-    a preset's rotary bound is a multiple of that length on rotary rows and ``None`` on the others, its
-    ``position_mean`` applies to absolute rows only, its ``sinks`` to models other than encoder-decoders (T5).
-    Explicit ``slopes`` drop a preset's ``slope_scale``.
+    >>> "sinks" in inspect.signature(patch_model).parameters
+    True
+    """
+    signature = inspect.signature(function)
+    params = list(signature.parameters.values())
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD, f"{function.__name__} takes **options"
+    declared = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=f.type if str(f.type).endswith("None") else f"{f.type} | None",
+        )
+        for f in conversion_options()
+        if f.name not in signature.parameters
+    ]
+    known = {p.name for p in params[:-1]} | set(OPTIONS)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{function.__name__}() got an unexpected keyword argument {unknown[0]!r}")
+        return function(*args, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*params[:-1], *declared])  # no other keyword
+    return wrapper
+
+
+def _applies(option: dataclasses.Field, row, config) -> bool:
+    """Whether a conversion option applies to the row (its declaration's ``applies``; None: everywhere)."""
+    applies = option.metadata["applies"]
+    return applies is None or applies(row, config)
+
+
+def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
+    """The option values ``patch_model`` stores: the preset's, overridden by the explicit ones (None: not given).
+
+    ``config`` is the ORIGINAL config (its ``max_position_embeddings`` is cleared by the conversion). A preset's
+    value applies where its option's declaration says (``applies``: the rotary bound on rotary rows, the mean on
+    absolute rows, sinks on models other than encoder-decoders ...; else the paper's value); an
+    :class:`OriginalLength` is that multiple of the original length. Explicit ``slopes`` drop a preset's
+    ``slope_scale``; an explicit ``table_max_wavelength=0`` removes the table.
 
     >>> resolve_options(llama_config, get_architecture("llama"), "pretrained")  # doctest: +SKIP
-    {'sinks': 1, 'rotary_max_wavelength': 65536.0, 'slope_scale': 0.01, 'position_mean': 0, 'slopes': None}
+    {'sinks': 1, 'slope_scale': 0.01, 'slopes': None, 'rotary_max_wavelength': 65536.0, 'position_mean': 0, ...}
     """
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} (or None: the paper's method).")
-    values = {
-        "sinks": 0, "rotary_max_wavelength": None, "slope_scale": 1.0, "position_mean": 0, "slopes": None,
-        "table_max_wavelength": None,
-    }  # fmt: skip
-    values.update(PRESETS.get(preset, {}))
-    if row.strategy != "absolute":
-        values["position_mean"] = 0
-    if not sinks_fit(config):
-        values["sinks"] = 0  # not built there yet (an explicit value is refused): a preset leaves them out
     length = getattr(config, "max_position_embeddings", None)
-    applies = {
-        "rotary_max_wavelength": row.strategy == "rotary",
-        "table_max_wavelength": row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
-    }
-    for name, here in applies.items():  # a preset's bound: a multiple of the length, where the row has the path
-        if isinstance(values[name], OriginalLength):
-            values[name] = values[name].times * length if here and length else None
-    explicit = dict(
-        sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale, slopes=slopes,
-        position_mean=position_mean, table_max_wavelength=table_max_wavelength,
-    )  # fmt: skip
+    values = {}
+    for f in conversion_options():
+        value = PRESETS.get(preset, {}).get(f.name, f.default)
+        if not _applies(f, row, config):
+            value = f.default
+        if isinstance(value, OriginalLength):
+            value = value.times * length if length else None
+        values[f.name] = value
     values.update({name: value for name, value in explicit.items() if value is not None})
     if type(values["table_max_wavelength"]) in (int, float) and values["table_max_wavelength"] == 0:  # explicit 0:
-        # the table goes entirely, whatever the preset says
-        values["table_max_wavelength"] = None
-    if slopes is not None and slope_scale is None:
+        values["table_max_wavelength"] = None  # the table goes entirely, whatever the preset says
+    if explicit.get("slopes") is not None and explicit.get("slope_scale") is None:
         values["slope_scale"] = 1.0
     if values["slopes"] is not None:
         values["slopes"] = list(values["slopes"])
     return values
 
 
+@takes_options
 def settings_for(
-    config,
-    heads: int | None = None,
-    encoder_variant: str | None = None,
-    *,
-    preset: str | None = None,
-    sinks: int | None = None,
-    rotary_max_wavelength: float | None = None,
-    slope_scale: float | None = None,
-    slopes: list[float] | None = None,
-    position_mean: int | None = None,
-    table_max_wavelength: float | None = None,
+    config, heads: int | None = None, encoder_variant: str | None = None, *, preset: str | None = None, **options
 ) -> AlibiSettings:
     """The settings :func:`patch_model` would store for a model of the original ``config``, or the
-    one-line ``ValueError`` it would raise: every argument is checked here, before any model is loaded
+    one-line ``ValueError`` it would raise: every argument is checked here before any model is loaded
     (``hf-alibi convert`` calls it on SRC's config first).
 
     >>> settings_for(GPT2Config(n_head=4), preset="pretrained").sinks  # doctest: +SKIP
     1
     """
-    row = get_architecture(config.model_type)
+    return _settings(config, get_architecture(config.model_type), heads, encoder_variant, preset, options)
+
+
+def _settings(config, row, heads, encoder_variant, preset, options: dict, model=None) -> AlibiSettings:
+    """:func:`settings_for` with the row looked up; with the ``model``, what only its weights tell (the retained
+    table's rows, whether the preset's ``position_mean`` can fold) and what must fit it (sinks, per-layer
+    slopes) are settled too. The options are checked once, as the settings are made."""
     config_heads = config.num_attention_heads
     if heads is None:
         heads = config_heads
@@ -143,18 +142,30 @@ def settings_for(
             f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
             f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
         )
-    options = resolve_options(
-        config, row, preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength, slope_scale=slope_scale,
-        slopes=slopes, position_mean=position_mean, table_max_wavelength=table_max_wavelength,
-    )  # fmt: skip
+    values = resolve_options(config, row, preset, **options)
+    if model is not None:  # where the option applies to the row (else AlibiSettings says so below)
+        fields = {f.name: f for f in conversion_options()}
+        if values["table_max_wavelength"] is not None and _applies(fields["table_max_wavelength"], row, config):
+            values["table_rows"] = _table_rows(model, row)
+        mean = values["position_mean"]
+        if type(mean) is int and mean > 0 and _applies(fields["position_mean"], row, config):  # a bad one: below
+            try:  # nothing changes here: the fold is done by patch_model once everything is checked
+                fold_position_mean(model.base_model, row.position, values["position_mean"], check_only=True)
+            except ValueError:
+                if options.get("position_mean") is not None:
+                    raise
+                values["position_mean"] = 0  # the preset's value, where the table's owner cannot take it
     settings = AlibiSettings(  # checks the options (check_pretrained_options) as it is made
         base_model_type=config.model_type,
         heads=heads,
         encoder_variant=encoder_variant,
         architecture=row.to_dict(),
-        **options,
+        **values,
     )
-    check_sinks_fit(config, settings)
+    if model is not None:
+        check_fits(model, settings, row)  # the strategy, sinks for this kind of model, per-layer slopes
+    else:
+        check_sinks_fit(config, settings)
     return settings
 
 
@@ -163,61 +174,51 @@ def is_alibi_model(model: PreTrainedModel) -> bool:
     return is_alibi_config(model.config)
 
 
+@takes_options
 def patch_model(
     model: PreTrainedModel,
     heads: int | None = None,
     encoder_variant: str | None = None,
     *,
     preset: str | None = None,
-    sinks: int | None = None,
-    rotary_max_wavelength: float | None = None,
-    slope_scale: float | None = None,
-    slopes: list[float] | None = None,
-    position_mean: int | None = None,
-    table_max_wavelength: float | None = None,
+    **options,
 ) -> PreTrainedModel:
     """Convert ``model`` to ALiBi in place and return it.
 
-    The position path is removed (GPT-2's ``wpe``, a rotary embedding, BERT's table, T5's relative
-    bias: inputs of any length run, position ids are ignored) and every self-attention layer adds the
-    ALiBi bias through transformers' attention interface, for the backend the model uses (``eager``,
-    ``sdpa``, ``flex_attention``, ``flash_attention_2``). Only this instance changes: its class
-    becomes ``Alibi<Class>`` and its config ``Alibi<Config>`` with ``config.alibi``, so
-    ``save_pretrained`` writes ``model_type="alibi_<type>"`` and, after ``import hf_alibi``,
-    ``AutoModel*.from_pretrained`` rebuilds the same model. Every weight that is not removed is kept.
+        The position path is removed (GPT-2's ``wpe``, a rotary embedding, BERT's table, T5's relative
+        bias: inputs of any length run, position ids are ignored) and every self-attention layer adds the
+        ALiBi bias through transformers' attention interface, for the backend the model uses (``eager``,
+        ``sdpa``, ``flex_attention``, ``flash_attention_2``). Only this instance changes: its class
+        becomes ``Alibi<Class>`` and its config ``Alibi<Config>`` with ``config.alibi``, so
+        ``save_pretrained`` writes ``model_type="alibi_<type>"`` and, after ``import hf_alibi``,
+        ``AutoModel*.from_pretrained`` rebuilds the same model. Every weight that is not removed is kept.
 
-    Args:
-        model: a model of a registered architecture (:func:`hf_alibi.supported_model_types`).
-        heads: number of attention heads; must equal the config's (checked, since slopes are
-            computed for it). Defaults to the config's.
-        encoder_variant: bias of bidirectional self-attention (``"symmetric"``, the default;
-            ``"nonsymmetric"``; ``"learned"``). An error for decoder-only models.
-        preset: ``None`` (the paper's method) or a name in :data:`PRESETS`: ``"pretrained"`` keeps
-            more of what a pretrained checkpoint knew (attention sinks, the short-wavelength rotary
-            frequencies, smaller slopes). The keyword arguments below override the preset's values.
-        sinks: the first ``sinks`` real tokens of each sequence carry no distance penalty.
-        rotary_max_wavelength: rotary rows: keep the rotary frequencies of wavelength ``<=`` this
-            (tokens); ``None`` removes the rotary embedding entirely.
-        slope_scale: multiplies the paper's slopes. slopes: explicit per-head slopes instead.
-        position_mean: absolute rows (a learned table): add the mean of the table's first N rows to the
-            token-type (else token) embeddings before the table goes, so every token keeps its average
-            offset (a weight edit; the preset's value is left out where the model cannot take it).
-        table_max_wavelength: encoders' learned tables (BERT, RoBERTa): keep the table's Fourier components of
-            wavelength ``<=`` this (tokens), continued past the table; ``0`` (or no preset) removes the table.
-        All of them are saved in ``config.alibi`` and rebuilt on load.
+        Args:
+            model: a model of a registered architecture (:func:`hf_alibi.supported_model_types`).
+            heads: number of attention heads; must equal the config's (checked, since slopes are
+                computed for it). Defaults to the config's.
+            encoder_variant: bias of bidirectional self-attention (``"symmetric"``, the default;
+                ``"nonsymmetric"``; ``"learned"``). An error for decoder-only models.
+            preset: ``None`` (the paper's method) or a name in :data:`PRESETS`: ``"pretrained"`` keeps
+                more of what a pretrained checkpoint knew (attention sinks, the short-wavelength rotary
+                frequencies, smaller slopes). The conversion options override the preset's values.
+            **options: the conversion options, keyword-only (None: the preset's value, else the paper's), declared
+                as fields of :class:`hf_alibi.AlibiSettings`, saved in ``config.alibi`` and rebuilt on load:
 
-    Raises:
-        ValueError: unsupported architecture, wrong ``heads``, an encoder variant for a
-            decoder-only model, or a model that is already ALiBi (patching twice is an error, so
-            that a second call with other settings can never be silently ignored). The model is
-            left untouched when this raises.
+    {options}
 
-    Example:
-        >>> from transformers import GPT2Config, GPT2LMHeadModel
-        >>> import hf_alibi
-        >>> model = hf_alibi.patch_model(GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=32)))
-        >>> model.config.model_type
-        'alibi_gpt2'
+        Raises:
+            ValueError: unsupported architecture, wrong ``heads``, an encoder variant for a
+                decoder-only model, or a model that is already ALiBi (patching twice is an error, so
+                that a second call with other settings can never be silently ignored). The model is
+                left untouched when this raises.
+
+        Example:
+            >>> from transformers import GPT2Config, GPT2LMHeadModel
+            >>> import hf_alibi
+            >>> model = hf_alibi.patch_model(GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=32)))
+            >>> model.config.model_type
+            'alibi_gpt2'
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}.")
@@ -227,11 +228,7 @@ def patch_model(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
             "model once. Load the original checkpoint again to convert it with other settings."
         )
-    settings = settings_for(
-        config, heads, encoder_variant, preset=preset, sinks=sinks, rotary_max_wavelength=rotary_max_wavelength,
-        slope_scale=slope_scale, slopes=slopes, position_mean=position_mean, table_max_wavelength=table_max_wavelength,
-    )  # fmt: skip
-    row = get_architecture(config.model_type)
+    row = get_architecture(config.model_type)  # the one look-up of the row
     classes = alibi_classes(config.model_type)
     alibi_cls = classes.get(type(model))
     if alibi_cls is None:
@@ -239,19 +236,22 @@ def patch_model(
             f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
             f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
         )
-    check_slopes_fit(settings, len(self_attentions(model.base_model, row)))  # before anything changes
-    if settings.table_max_wavelength is not None:
-        settings = dataclasses.replace(settings, table_rows=_table_rows(model, row))
+    settings = _settings(config, row, heads, encoder_variant, preset, options, model)  # every check, once
+    # Everything is validated: from here on the instance changes (its weights, then its config, a copy).
     if settings.position_mean:
-        try:  # raises before it changes anything
-            fold_position_mean(model.base_model, row.position, settings.position_mean)
-        except ValueError:
-            if position_mean is not None:
-                raise
-            settings = dataclasses.replace(settings, position_mean=0)  # the preset's value, where it cannot fold
-    # Everything is validated: from here on the instance changes (its config becomes a copy).
+        fold_position_mean(model.base_model, row.position, settings.position_mean)
     convert(model, settings, row, alibi_cls)
     return model
+
+
+def _options_doc() -> str:
+    lines = []
+    for f in conversion_options():
+        lines.append(f"            ``{f.name}``: {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+patch_model.__doc__ = patch_model.__doc__.replace("{options}", _options_doc())
 
 
 def _table_rows(model: PreTrainedModel, row) -> int:

@@ -13,6 +13,7 @@ transformers is modified: only new names are added.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import transformers
@@ -24,7 +25,6 @@ from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.modeling import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .hub.saving import AlibiPreTrainedMixin
 from .patches import absolute, relative, rotary
 
 MODELS_MODULE = "hf_alibi.models"
@@ -37,6 +37,18 @@ ARCHITECTURES: dict[str, Architecture] = {
 # (made when the row is first used)
 _CONFIG_CLASSES: dict[str, type] = {}
 _CLASSES: dict[str, dict[type, type]] = {}
+# The bases every Alibi<Class> gets besides its transformers class: given by hf_alibi/__init__.py
+# (hf_alibi.hub.saving's AlibiPreTrainedMixin), not imported here, so the registry depends on the core only.
+_MODEL_BASES: tuple[type, ...] = ()
+
+
+def set_model_bases(*bases: type) -> None:
+    """The mixins of every ``Alibi<Class>`` made from now on (``hf_alibi`` gives the saving mixin at import).
+
+    >>> set_model_bases(AlibiPreTrainedMixin)  # doctest: +SKIP
+    """
+    global _MODEL_BASES
+    _MODEL_BASES = tuple(bases)
 
 
 def supported_model_types() -> list[str]:
@@ -66,10 +78,9 @@ def get_architecture(model_type: str) -> Architecture:
 
 def alibi_classes(model_type: str) -> dict[type, type]:
     """transformers class -> ``Alibi<Class>`` for a registered ``model_type`` (made on first use)."""
-    row = get_architecture(model_type)
     classes = _CLASSES.get(model_type)
-    if classes is None:
-        classes = _CLASSES[model_type] = _model_classes(row, _CONFIG_CLASSES[model_type])
+    if classes is None:  # the row is looked up (an error for an unknown type) only to make them
+        classes = _CLASSES[model_type] = _model_classes(get_architecture(model_type), _CONFIG_CLASSES[model_type])
     return classes
 
 
@@ -101,7 +112,7 @@ def _model_classes(row: Architecture, config_cls: type) -> dict[type, type]:
             base_cls = getattr(transformers, class_name)  # named by the row: an error if missing
         elif (base_cls := getattr(transformers, class_name, None)) is None:
             continue  # an Auto table may name a class this transformers lacks
-        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=(AlibiPreTrainedMixin,))
+        alibi_cls = alibi_model_class(base_cls, config_cls, MODELS_MODULE, bases=_MODEL_BASES)
         classes[base_cls] = alibi_cls
         for auto_name in auto_names:
             getattr(transformers, auto_name).register(config_cls, alibi_cls, exist_ok=True)
@@ -128,7 +139,8 @@ def register_architecture(
 
     ``row`` says where the position path and the self-attention modules are and which strategy
     removes the path (``"absolute"``, ``"rotary"``, ``"relative"``). Where none fits, pass
-    ``strategy(base_model, position_paths)`` and a new name in ``row.strategy``: such checkpoints
+    ``strategy(base_model, position_paths)`` (or ``strategy(base_model, position_paths, settings)``, to read
+    the :class:`AlibiSettings`) and a new name in ``row.strategy``: such checkpoints
     then need that code to load (no remote code is written for them).
 
     >>> hf_alibi.register_architecture(hf_alibi.Architecture("mistral", "rotary"))  # doctest: +SKIP
@@ -146,7 +158,7 @@ def _register(row: Architecture, strategy: Callable | None = None) -> None:
     if strategy is not None:
         if row.strategy in BUILTIN_STRATEGIES:
             raise ValueError(f"{row.strategy!r} is a built-in strategy; give the custom one a new name.")
-        STRATEGIES[row.strategy] = strategy
+        STRATEGIES[row.strategy] = _takes_settings(strategy)
     if row.strategy not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {row.strategy!r} for {row.model_type!r}: use one of {sorted(STRATEGIES)}, "
@@ -156,6 +168,16 @@ def _register(row: Architecture, strategy: Callable | None = None) -> None:
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
     _CONFIG_CLASSES[row.model_type] = config_cls
     REGISTERED[row.model_type] = row
+
+
+def _takes_settings(strategy: Callable) -> Callable:
+    """A strategy as ``apply`` calls it, ``(base_model, position_paths, settings)``: one written for the first two
+    only is called without the settings."""
+    try:
+        inspect.signature(strategy).bind(None, None, None)
+    except TypeError:
+        return lambda base, paths, settings=None: strategy(base, paths)
+    return strategy
 
 
 def class_named(name: str) -> type | None:

@@ -55,11 +55,12 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import hf_alibi
-from hf_alibi.checkpoints import is_alibi, original_length
+from hf_alibi.checkpoints import is_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.distributed import fsdp_requested, fsdp_requested_but_not_used, is_fsdp2, unsharded_copy
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
 from hf_alibi.gguf import OUTTYPES, check_exportable
+from hf_alibi.positions import original_length
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
 

@@ -118,20 +118,16 @@ def test_quick_run_rows_and_token_counts():
 
 
 def test_recovery_gets_the_arms_conversion_not_recovers_default_preset():
-    with bench.conversion_options({"sinks": 1}) as direct:
-        assert direct == {"preset": None, "fit_slopes": False}  # recover() would default to the preset
-        assert hf_alibi.patch_model.keywords == {"sinks": 1}
-    assert not hasattr(hf_alibi.patch_model, "keywords")
-    with bench.conversion_options({"preset": "pretrained"}) as direct:
-        assert direct == {"preset": "pretrained", "fit_slopes": False}
+    # recover() takes every conversion option itself (recover() would default to the preset)
+    assert bench.recover_options({"sinks": 1}) == {"preset": None, "fit_slopes": False, "sinks": 1}
+    assert bench.recover_options({"preset": "pretrained"}) == {"preset": "pretrained", "fit_slopes": False}
     # a fitted arm's slopes reach the recovered student (recover() passes no slopes of its own then)
     slopes = [[0.01, 0.02, 0.03, 0.04], [0.05, 0.06, 0.07, 0.08]]
-    with bench.conversion_options({"preset": "pretrained", "slopes": slopes}) as direct:
-        stream = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(4))
-        result = bench.recover(
-            _llama(), stream, length=16, max_steps=1, batch_size=2, progress=False, log=None, **direct
-        )
-    assert hf_alibi.get_settings(result.student.config).slopes == slopes
+    direct = bench.recover_options({"preset": "pretrained", "slopes": slopes, "sinks": 2})
+    stream = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(4))
+    result = bench.recover(_llama(), stream, length=16, max_steps=1, batch_size=2, progress=False, log=None, **direct)
+    saved = hf_alibi.get_settings(result.student.config)
+    assert (saved.slopes, saved.sinks, saved.slope_scale) == (slopes, 2, 1.0)
 
 
 def test_text_defaults_to_the_pydoc_prose_and_a_missing_file_is_one_line(tmp_path):

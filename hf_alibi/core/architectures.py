@@ -33,8 +33,9 @@ class Architecture:
     removed_config_fields: tuple[str, ...] = ("max_position_embeddings",)
     bidirectional: bool = False
     # What the removed fields hold while the original __init__ builds the path that is then dropped:
-    # an int, or the name of a config field whose value + 1 is used (RoBERTa's table has a padding row
-    # at pad_token_id, so it needs pad_token_id + 1 rows).
+    # an int, or the name of a config field whose value + 1 is used. RoBERTa's table numbers positions
+    # from padding_idx + 1 (pad_token_id): those rows lead the table (leading_rows), so it needs at least
+    # that many, and its length field counts them besides the positions.
     placeholder: int | str = 1
     # transformers model classes outside the Auto mappings that convert too (GPT2DoubleHeadsModel).
     extra_classes: tuple[str, ...] = ()
@@ -49,9 +50,19 @@ class Architecture:
             raise ValueError(f"Architecture {self.model_type!r} lists no self-attention modules.")
 
     def placeholder_size(self, config) -> int:
-        if isinstance(self.placeholder, str):
-            return (getattr(config, self.placeholder, None) or 0) + 1
-        return self.placeholder
+        return self.leading_rows(config) if isinstance(self.placeholder, str) else self.placeholder
+
+    def leading_rows(self, config) -> int:
+        """Rows of the learned table ahead of position 0 that the config's length field counts: the named
+        ``placeholder`` field + 1 (RoBERTa: ``pad_token_id + 1``), else 0. ``config``: a config or a dict.
+
+        >>> Architecture("roberta", "absolute", placeholder="pad_token_id").leading_rows({"pad_token_id": 1})
+        2
+        """
+        if not isinstance(self.placeholder, str):
+            return 0
+        value = config.get(self.placeholder) if isinstance(config, dict) else getattr(config, self.placeholder, None)
+        return (value or 0) + 1
 
     def to_dict(self) -> dict[str, Any]:
         return {

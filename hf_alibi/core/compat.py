@@ -295,4 +295,16 @@ def transformers_cli_app():
     return app
 
 
-__all__ += ["loss_is_per_batch_mean", "name_or_path", "relative_import_files", "transformers_cli_app"]
+def attn_implementation(config: PretrainedConfig) -> str | dict | None:
+    """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
+    property; ``fit_slopes`` reads it to restore it after its eager pass; checked on transformers 5.23.0)."""
+    return config._attn_implementation
+
+
+__all__ += [
+    "attn_implementation",
+    "loss_is_per_batch_mean",
+    "name_or_path",
+    "relative_import_files",
+    "transformers_cli_app",
+]

@@ -1,4 +1,4 @@
-"""The ALiBi settings persisted in config.json, and the config classes that carry them.
+"""The config classes that carry the ALiBi settings (:mod:`.settings`) in config.json.
 
 A converted model's config is an ``Alibi<Base>Config``: a subclass of the original config class
 with its own ``model_type`` (``"alibi_" + base``) and one extra field, ``alibi``, holding
@@ -9,9 +9,6 @@ ever loading the checkpoint as the original architecture with fresh position emb
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -28,8 +25,7 @@ from .compat import (
     stored_output_attentions,
 )
 from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, alibi_name, base_name, check_backend
-from .slopes import ENCODER_VARIANTS
-from .version import __version__
+from .settings import AlibiSettings
 
 MODEL_TYPE_PREFIX = "alibi_"
 # Written in config.json in place of the sizes of the removed position path (GPT-2's n_positions,
@@ -65,193 +61,6 @@ def removed_field_marker(base_model_type: str, architecture: str | None = None) 
         f"load it with {auto}.from_pretrained{direct}, not the original class. Without hf_alibi: "
         "load it with trust_remote_code=True"
     )
-
-
-@dataclass(frozen=True)
-class AlibiSettings:
-    """What a converted model needs to be rebuilt; stored as ``config.alibi``."""
-
-    base_model_type: str = field(metadata={"help": "model_type of the architecture that was converted, e.g. 'gpt2'."})
-    heads: int = field(metadata={"help": "Number of attention heads the slopes are computed for."})
-    encoder_variant: str | None = field(
-        default=None,
-        metadata={
-            "help": "Bias of bidirectional self-attention: 'symmetric', 'nonsymmetric' or 'learned'. "
-            "None for decoder-only models, whose self-attention is causal."
-        },
-    )
-    architecture: dict | None = field(
-        default=None,
-        metadata={
-            "help": "The architecture row the model was converted with (architectures.Architecture as a dict), "
-            "so that the checkpoint rebuilds the same way wherever it is loaded."
-        },
-    )
-    hf_alibi_version: str = field(default=__version__, metadata={"help": "hf_alibi version that converted it."})
-    # The options for pretrained checkpoints (hf_alibi.patch_model(..., preset="pretrained")); the
-    # defaults are the paper's method, which is what checkpoints without these keys were made with.
-    sinks: int = field(
-        default=0,
-        metadata={
-            "help": "The first `sinks` real tokens of each sequence carry no distance penalty (bias 0 for "
-            "every query that may see them), so a pretrained model keeps its attention sink. 0: the paper."
-        },
-    )
-    rotary_max_wavelength: float | None = field(
-        default=None,
-        metadata={
-            "help": "Rotary rows only: keep the rotary frequencies whose wavelength 2*pi/inv_freq is at most "
-            "this (the others are removed: cos=1, sin=0). None: remove the rotary embedding entirely."
-        },
-    )
-    slope_scale: float = field(default=1.0, metadata={"help": "Multiplies the paper's slopes (1.0: the paper)."})
-    slopes: list[float] | list[list[float]] | None = field(
-        default=None,
-        metadata={
-            "help": "Explicit slopes (positive) instead of the paper's x slope_scale: one per head for every layer, "
-            "or one such list per self-attention layer, in the model's order (hf_alibi.fit_slopes)."
-        },
-    )
-    position_mean: int = field(
-        default=0,
-        metadata={
-            "help": "Absolute rows only: the mean of the first `position_mean` rows of the removed position table "
-            "was added to the token-type (else token) embeddings at conversion, a weight edit recorded here (the "
-            "saved weights carry it; nothing is redone on load). 0: the table just goes (the paper)."
-        },
-    )
-    table_max_wavelength: float | None = field(
-        default=None,
-        metadata={
-            "help": "Encoder absolute rows only: keep the learned position table's Fourier components of wavelength "
-            "at most this (tokens), repeated past the table; the others (and its mean) are removed. None: the "
-            "table goes entirely (the paper)."
-        },
-    )
-    table_rows: int = field(
-        default=0,
-        metadata={"help": "The retained table's rows (its period), set with table_max_wavelength."},
-    )
-
-    def __post_init__(self):
-        if self.encoder_variant is not None and self.encoder_variant not in ENCODER_VARIANTS:
-            raise ValueError(
-                f"encoder_variant must be one of {ENCODER_VARIANTS} (or None for decoder-only models), "
-                f"got {self.encoder_variant!r}."
-            )
-        check_pretrained_options(
-            self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
-            self.position_mean, self.table_max_wavelength, self.table_rows,
-        )  # fmt: skip
-        if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
-            object.__setattr__(self, "slopes", _as_floats(self.slopes))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(sorted(dataclasses.asdict(self).items()))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AlibiSettings:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"Unknown ALiBi settings {sorted(unknown)} in config.alibi; known: {sorted(known)}.")
-        return cls(**data)
-
-
-def _as_floats(slopes):
-    if is_per_layer(slopes):
-        return [[float(s) for s in layer] for layer in slopes]
-    return [float(s) for s in slopes]
-
-
-def is_per_layer(slopes) -> bool:
-    """Whether ``slopes`` holds one list per layer (else one slope per head for every layer)."""
-    return bool(slopes) and isinstance(slopes, (list, tuple)) and isinstance(slopes[0], (list, tuple))
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_pretrained_options(
-    heads: int,
-    sinks: int,
-    rotary_max_wavelength: float | None,
-    slope_scale: float,
-    slopes: list[float] | None,
-    architecture: dict | None = None,
-    position_mean: int = 0,
-    table_max_wavelength: float | None = None,
-    table_rows: int = 0,
-) -> None:
-    """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
-
-    >>> check_pretrained_options(4, sinks=-1, rotary_max_wavelength=None, slope_scale=1.0, slopes=None)
-    Traceback (most recent call last):
-    ValueError: sinks must be an integer >= 0 (the number of first tokens exempt from the bias), got -1.
-    """
-    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
-        raise ValueError(
-            f"sinks must be an integer >= 0 (the number of first tokens exempt from the bias), got {sinks!r}."
-        )
-    if not _is_number(slope_scale) or slope_scale <= 0:
-        raise ValueError(
-            f"slope_scale must be a finite number > 0 (it multiplies the paper's slopes), got {slope_scale!r}."
-        )
-    if slopes is not None:
-        for index, layer in enumerate(slopes if is_per_layer(slopes) else [slopes]):
-            where = f" (layer {index})" if is_per_layer(slopes) else ""
-            if isinstance(layer, (str, bytes)) or not hasattr(layer, "__len__") or len(layer) != heads:
-                count = len(layer) if hasattr(layer, "__len__") else type(layer).__name__
-                raise ValueError(
-                    f"slopes must list one slope per head{where}: {heads} numbers, got {count} (or one such list "
-                    "per layer)."
-                )
-            if not all(_is_number(s) and s > 0 for s in layer):
-                raise ValueError(
-                    f"slopes must be finite numbers > 0 (the bias is -slope * distance){where}, got {list(layer)}."
-                )
-        if slope_scale != 1.0:
-            raise ValueError("Pass either slopes or slope_scale, not both (scale the slopes you pass instead).")
-    if not isinstance(position_mean, int) or isinstance(position_mean, bool) or position_mean < 0:
-        raise ValueError(
-            f"position_mean must be an integer >= 0 (how many first rows of the position table to average), "
-            f"got {position_mean!r}."
-        )
-    strategy = (architecture or {}).get("strategy")
-    if position_mean and strategy not in (None, "absolute"):
-        model_type = (architecture or {}).get("model_type")
-        raise ValueError(
-            f"position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
-            "position path. Leave it 0."
-        )
-    if table_max_wavelength is not None:
-        if not _is_number(table_max_wavelength) or table_max_wavelength < 2:
-            raise ValueError(
-                "table_max_wavelength must be a number >= 2 (a wavelength in tokens), or 0 / None to remove the "
-                f"table, got {table_max_wavelength!r}."
-            )
-        if strategy not in (None, "absolute") or not (architecture or {}).get("bidirectional", True):
-            model_type = (architecture or {}).get("model_type")
-            raise ValueError(
-                "table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
-                f"{model_type} is {'a decoder' if strategy == 'absolute' else f'a {strategy!r} row'}. Leave it None."
-            )
-    if not isinstance(table_rows, int) or isinstance(table_rows, bool) or table_rows < 0:
-        raise ValueError(f"table_rows must be an integer >= 0, got {table_rows!r}.")
-    if rotary_max_wavelength is not None:
-        if not _is_number(rotary_max_wavelength) or rotary_max_wavelength <= 0:
-            raise ValueError(
-                "rotary_max_wavelength must be a number > 0 (a wavelength in tokens) or None, "
-                f"got {rotary_max_wavelength!r}."
-            )
-        strategy = (architecture or {}).get("strategy", "rotary")
-        if strategy != "rotary":
-            model_type = (architecture or {}).get("model_type")
-            raise ValueError(
-                f"rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position "
-                "path. Leave it None."
-            )
 
 
 def removed_value(name: str) -> int | None:

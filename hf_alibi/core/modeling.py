@@ -15,20 +15,13 @@ from .architectures import Architecture, check_strategy, find_architecture
 from .batching import make_manager, paged_batch
 from .bias import AlibiBias
 from .compat import cache_argument, is_exporting, register_recorded_outputs, zeros_unless_loaded
-from .config import (
-    AlibiConfigMixin,
-    AlibiSettings,
-    alibi_config_class,
-    alibi_config_copy,
-    get_settings,
-    is_per_layer,
-    rebind_config,
-)
+from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .mask import MaskCache
 from .names import check_backend
 from .packing import document_starts, is_packed
+from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
-from .strategies import STRATEGIES, RetainedTable, find_modules, retained_table, rotary
+from .strategies import STRATEGIES, RetainedTable, find_modules
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -49,18 +42,11 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     position path, every self-attention module at the row's ``attention`` paths gets an ``AlibiBias``
     (causal, or the encoder variant where the row is bidirectional and the module is not causal),
     position ids are dropped unless they describe a packed row (whose documents are recorded, see
-    ``packing.py``), and the layers share one mask cache for the length of a forward."""
-    check_strategy(row)
-    check_sinks_fit(model.config, settings)
+    ``packing.py``), and the layers share one mask cache for the length of a forward. Checked by the caller
+    (:func:`check_fits`): a loaded checkpoint in ``Alibi<Class>.__init__``, a conversion in ``patch_model``."""
     base = model.base_model
     attentions = self_attentions(base, row)
-    check_slopes_fit(settings, len(attentions))
-    if settings.rotary_max_wavelength is not None:  # validated: a rotary row
-        rotary(base, row.position, max_wavelength=settings.rotary_max_wavelength)
-    elif settings.table_max_wavelength is not None:  # validated: an encoder's absolute row
-        retained_table(base, row.position, settings.table_max_wavelength, settings.table_rows)
-    else:
-        STRATEGIES[row.strategy](base, row.position)
+    STRATEGIES[row.strategy](base, row.position, settings)
     masks = MaskCache()
     slopes = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
     per_layer = slopes if is_per_layer(slopes) else [slopes] * len(attentions)
@@ -99,6 +85,14 @@ def self_attentions(base: nn.Module, row: Architecture) -> list[nn.Module]:
     """Every self-attention module of the row's ``attention`` paths under ``base``, in the model's order
     (the order of per-layer slopes)."""
     return [attention for path in row.attention for _, _, attention in find_modules(base, path)]
+
+
+def check_fits(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) -> None:
+    """One-line ``ValueError`` where checked ``settings`` do not fit ``model`` (nothing changed): the row's
+    strategy is known here, sinks fit its kind of model, per-layer slopes its layers."""
+    check_strategy(row)
+    check_sinks_fit(model.config, settings)
+    check_slopes_fit(settings, len(self_attentions(model.base_model, row)))
 
 
 def check_slopes_fit(settings: AlibiSettings, count: int) -> None:
@@ -280,6 +274,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
         row = row_for(settings)
         with _placeholder_sizes(config, config.alibi_removed_fields(), row.placeholder_size(config)):
             base_cls.__init__(self, config, *args, **kwargs)
+        check_fits(self, settings, row)
         apply(self, settings, row)
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -219,12 +220,16 @@ def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: floa
             _unbounded_defaults(parent, positions=True)
 
 
-def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
-    """A learned table added to the token embeddings (GPT-2's ``wpe``, BERT's, OPT's): a zero instead.
+def absolute(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
+    """A learned table added to the token embeddings (GPT-2's ``wpe``, BERT's, OPT's): a zero instead, or with
+    ``settings.table_max_wavelength`` its short-wavelength periodic part (:func:`retained_table`).
 
     Where the table's owner also makes default token types from a buffer sized by the maximum length
     (BERT, RoBERTa), they are made per input instead, so any length runs without ``token_type_ids``.
     """
+    if getattr(settings, "table_max_wavelength", None) is not None:  # validated: an encoder's table
+        retained_table(base, paths, settings.table_max_wavelength, settings.table_rows)
+        return
     for path in paths:
         for parent, name, _ in find_modules(base, path):
             setattr(parent, name, NoPositionEmbedding())
@@ -236,13 +241,14 @@ def absolute(base: nn.Module, paths: tuple[str, ...]) -> None:
 _FOLD_TARGETS = ("token_type_embeddings", "wte", "word_embeddings", "embed_tokens")
 
 
-def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int) -> None:
+def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int, check_only: bool = False) -> None:
     """Absolute rows, before :func:`absolute` removes the tables: add the mean of each table's first ``rows``
     used rows (from its first position: OPT's offset, RoBERTa's ``padding_idx + 1``) to the vectors its owner
     adds to every token (token-type embeddings, else the token embeddings), so every token keeps the table's
     average offset. A tied LM head then gets the same vector in every row: the logits move by the same amount
     for every token, so probabilities, losses and generation are unchanged by it. ``ValueError`` (nothing
-    changed) where the owner transforms its token embeddings before adding the table (OPT's ``project_in``).
+    changed) where the owner transforms its token embeddings before adding the table (OPT's ``project_in``);
+    ``check_only``: that error or nothing, no edit.
     """
     edits = []
     for path in paths:
@@ -260,14 +266,17 @@ def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int) -> No
             if used.shape[0] == 0:
                 raise ValueError(f"position_mean: {path!r} has no rows from position {first}. Pass position_mean=0.")
             edits.append((target, used.detach().float().mean(0)))
+    if check_only:
+        return
     with torch.no_grad():
         for target, mean in edits:
             target.weight.add_(mean.to(target.weight.dtype))
 
 
-def rotary(base: nn.Module, paths: tuple[str, ...], max_wavelength: float | None = None) -> None:
-    """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead,
-    or with ``max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""
+def rotary(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
+    """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead, or with
+    ``settings.rotary_max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""
+    max_wavelength = getattr(settings, "rotary_max_wavelength", None)
     for path in paths:
         for parent, name, module in find_modules(base, path):
             if isinstance(module, (IdentityRotary, RetainedRotary)):
@@ -279,7 +288,7 @@ def rotary(base: nn.Module, paths: tuple[str, ...], max_wavelength: float | None
             )
 
 
-def relative(base: nn.Module, paths: tuple[str, ...]) -> None:
+def relative(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
     """T5's learned relative bias, computed by the attention modules at ``paths`` (each stack's first
     block): the table goes. T5's code then makes its ``position_bias`` zeros, and hf_alibi's attention
     drops it in self-attention layers, so ALiBi is the only position signal."""
@@ -326,9 +335,9 @@ def _default_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, kwargs
 
 
-# name -> strategy; a row names one. hf_alibi.register_architecture(row, strategy=...) adds custom ones
-# (not saved with checkpoints).
-STRATEGIES: dict[str, Callable[[nn.Module, tuple[str, ...]], None]] = {
+# name -> strategy(base model, the row's position paths, the AlibiSettings); a row names one.
+# hf_alibi.register_architecture(row, strategy=...) adds custom ones (not saved with checkpoints).
+STRATEGIES: dict[str, Callable[[nn.Module, tuple[str, ...], Any], None]] = {
     "absolute": absolute,
     "rotary": rotary,
     "relative": relative,

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..checkpoints import is_hub_id
 from ..core.compat import name_or_path
 from ..core.config import get_settings
-from ..core.slopes import get_slopes_list
+from ..core.settings import conversion_options
+from ..core.slopes import scaled_slopes_list
 from ..core.version import __version__
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 
@@ -20,11 +21,15 @@ PIPELINE_TAGS = {
 }
 
 
-def model_card(config, base_model: str | None = None, tags: list[str] | None = None) -> str:
+def model_card(
+    config, base_model: str | None = None, tags: list[str] | None = None, recovery: str | None = None
+) -> str:
     """README.md for an ALiBi checkpoint: the Hub's metadata header, how to load it, the settings.
 
     ``base_model`` is the Hub id the checkpoint was converted from; by default the config's
-    ``_name_or_path`` when it looks like a Hub id (a local path is left out of the header).
+    ``_name_or_path`` when it looks like a Hub id (a local path is left out of the header). ``recovery``:
+    the section that says how the checkpoint was recovered (:func:`hf_alibi.recover.recovery_card_section`),
+    for a recovered one. What the card says about training follows from the settings (:func:`training_note`).
     """
     from huggingface_hub import ModelCardData
 
@@ -45,7 +50,11 @@ def model_card(config, base_model: str | None = None, tags: list[str] | None = N
         pipeline_tag=pipeline_tag,
     )
     settings_rows = "\n".join(f"| `{key}` | `{value}` |" for key, value in settings.to_dict().items())
-    slopes = ", ".join(f"{s:.6g}" for s in get_slopes_list(settings.heads))
+    used = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
+    slopes = "; ".join(
+        ", ".join(f"{s:.6g}" for s in layer) for layer in (used if used and isinstance(used[0], list) else [used])
+    )
+    slopes_scope = "layer by layer, head by head" if used and isinstance(used[0], list) else "head by head"
     origin = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a transformers model"
     bias = (
         "causal: each head adds `-m_h * (i - j)` to the score of query `i` and key `j <= i`"
@@ -59,12 +68,12 @@ def model_card(config, base_model: str | None = None, tags: list[str] | None = N
 # ALiBi {settings.base_model_type}
 
 This checkpoint is {origin} converted to ALiBi (Press, Smith and Lewis, *Train Short, Test Long*, 2021)
-by [hf_alibi](https://pypi.org/project/hf_alibi/) {__version__}: its position embeddings are gone, and
-every self-attention layer adds a fixed, head-specific linear penalty to its attention scores
-({bias}), so it runs on inputs longer than it was trained on. Cross-attention has no position bias.
+by [hf_alibi](https://pypi.org/project/hf_alibi/) {__version__}: its position embeddings are gone (or cut to
+the parts the note below names), and every self-attention layer adds a fixed, head-specific linear penalty
+to its attention scores ({bias}), so it runs on inputs longer than it was trained on.
+Cross-attention has no position bias.
 
-Note: converting does not train. A pretrained model converted to ALiBi must be fine-tuned before its
-outputs are useful, because its weights were learned with position embeddings.
+{training_note(settings, recovered=recovery is not None)}
 
 ## How to load
 
@@ -99,16 +108,47 @@ architecture with fresh position embeddings.
 |---|---|
 {settings_rows}
 
-Slopes `m_h`, head by head: {slopes}.
-"""
+Slopes `m_h` in use, {slopes_scope}: {slopes}.
+{recovery or ""}"""
+
+
+def training_note(settings, recovered: bool = False) -> str:
+    """What the card says about training, from the settings: true for every preset and option.
+
+    >>> training_note(AlibiSettings("gpt2", 4)).startswith("Note: converting does not train.")
+    True
+    """
+    if recovered:
+        return "Note: this checkpoint was recovered after conversion (see *Recovery* below)."
+    # the options that differ from the paper's, each as its declaration says it (hf-alibi info's words)
+    changed = [f for f in conversion_options() if getattr(settings, f.name) != f.default]
+    kept = [text for f in changed if (text := f.metadata["describe"](settings))]
+    if not kept:
+        return (
+            "Note: converting does not train. With the paper's settings the position path is simply removed: a "
+            "pretrained model converted this way, and not trained since, must be fine-tuned (or recovered with "
+            "`hf-alibi recover`) before its outputs are useful, because its weights were learned with position "
+            "embeddings."
+        )
+    return (
+        f"Note: converting does not train. These settings keep part of what the pretrained weights learned about "
+        f"order ({'; '.join(kept)}), so a pretrained model converted this way runs without training; how close "
+        "its outputs stay to the original's depends on the model, the settings and the length (hf_alibi's "
+        "docs/pretrained.md has measurements). Compare it with the original on your text; recovery "
+        "(`hf-alibi recover`) or fine-tuning narrows the gap."
+    )
 
 
 def write_model_card(
-    folder: str | os.PathLike, config, base_model: str | None = None, overwrite: bool = False
+    folder: str | os.PathLike,
+    config,
+    base_model: str | None = None,
+    overwrite: bool = False,
+    recovery: str | None = None,
 ) -> bool:
     """Write README.md into ``folder`` unless one is there (or ``overwrite``). True when written."""
     path = Path(folder) / "README.md"
     if path.exists() and not overwrite:
         return False
-    path.write_text(model_card(config, base_model=base_model))
+    path.write_text(model_card(config, base_model=base_model, recovery=recovery))
     return True

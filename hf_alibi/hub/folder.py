@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..checkpoints import CheckpointError, is_local
 from ..core.config import NO_MAXIMUM
+from .saving import finish_folder
 
 WEIGHT_SUFFIXES = (
     ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".ot", ".tflite", ".npz",
@@ -136,16 +137,16 @@ def lift_length_limits(folder: str | os.PathLike) -> None:
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def write_converted(folder: str | os.PathLike, model, src: str | os.PathLike, tokenizer=None) -> None:
+def write_converted(
+    folder: str | os.PathLike, model, src: str | os.PathLike, tokenizer=None, recovery: str | None = None
+) -> None:
     """Write the converted ``model`` into ``folder`` (a staging folder): SRC's companions first, then the
     weights, config.json (ALiBi settings, ``auto_map``), remote code, ``tokenizer`` (when given), the lifted
-    limits and the model card (its ``base_model`` is SRC when SRC is a Hub id).
+    limits and the model card (its ``base_model`` is SRC when SRC is a Hub id; ``recovery``: its recovery section).
 
     >>> with staged_output("gpt2-alibi") as staging:
     ...     write_converted(staging, hf_alibi.patch_model(model), "my-gpt2", tokenizer)
     """
-    from .saving import finish_folder
-
     folder = Path(folder)
     copy_companions(src, folder)
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json, modeling_alibi.py
@@ -153,4 +154,4 @@ def write_converted(folder: str | os.PathLike, model, src: str | os.PathLike, to
         tokenizer.save_pretrained(folder)  # over SRC's copies; files it no longer writes stay (vocab.txt, ...)
     lift_length_limits(folder)
     (folder / "README.md").unlink(missing_ok=True)
-    finish_folder(folder, model.config, base_model=None if is_local(src) else os.fspath(src))
+    finish_folder(folder, model.config, base_model=None if is_local(src) else os.fspath(src), recovery=recovery)

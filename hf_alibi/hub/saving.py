@@ -1,7 +1,7 @@
 """What every saved ALiBi folder gets, and :class:`AlibiPreTrainedMixin`, the base of every ``Alibi<Class>``.
 
-Small on purpose: the registry imports it for every model class, and the remote code, card and upload
-modules are imported only when a folder is saved or pushed.
+Small on purpose: ``import hf_alibi`` loads it and gives the mixin to the registry (for every model
+class); the remote code, card and upload modules are imported only when a folder is saved or pushed.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from pathlib import Path
 from ..core.config import is_alibi_config
 
 
-def finish_folder(folder: str | os.PathLike, config, base_model: str | None = None) -> None:
+def finish_folder(
+    folder: str | os.PathLike, config, base_model: str | None = None, recovery: str | None = None
+) -> None:
     """What every saved ALiBi folder gets besides transformers' files: remote code, auto_map, card."""
     from .card import write_model_card
     from .remote_code import add_remote_code
 
     add_remote_code(folder, config)
-    write_model_card(folder, config, base_model=base_model)
+    write_model_card(folder, config, base_model=base_model, recovery=recovery)
 
 
 class AlibiPreTrainedMixin:

@@ -23,13 +23,14 @@ input embeddings, faded linearly to zero over the first steps while ALiBi is on;
 
 Modules (each one job; everything public is re-exported here):
 
-- ``introspection``: what kind of model (causal, encoder, seq2seq), its position table and length;
+- ``kinds``: what kind of model (causal, encoder, seq2seq); its position table and length are
+  :mod:`hf_alibi.positions`;
 - ``losses``: the distillation losses; ``trainer``: the Trainer that applies them;
 - ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
 - ``metrics``: agreement with the teacher at 1x..8x the original length;
-- ``data``: text files, the token stream, training blocks;
-- ``api``: :func:`recover` and :class:`RecoveryResult`; ``card``: the model card section;
-- ``checkpoint``: :func:`recover_checkpoint`, what ``hf-alibi recover`` runs (folders in and out).
+- ``blocks``: text files, the token stream, training blocks;
+- ``api``: :func:`recover` and :class:`RecoveryResult`; ``summary``: the model card's recovery section;
+- what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.jobs.recover_checkpoint`.
 
 Example:
     >>> from hf_alibi.recover import recover
@@ -38,32 +39,29 @@ Example:
     >>> result.history[-1]                                                  # agreement at 1x, 2x, 4x, 8x
 """
 
+from ..positions import original_length
 from .api import RecoveryResult, recover
-from .card import recovery_card_section, write_recovery_card
-from .checkpoint import recover_checkpoint
-from .data import read_texts, token_stream
-from .introspection import (
-    CAUSAL,
-    ENCODER,
+from .blocks import read_texts, token_stream
+from .kinds import (
+    CAUSAL_MODEL,
+    ENCODER_MODEL,
     HIDDEN_LAYERS,
-    KINDS,
-    POSITION_TABLES,
-    SEQ2SEQ,
+    MODEL_KINDS,
+    SEQ2SEQ_MODEL,
     model_kind,
-    original_length,
 )
 from .losses import distillation_loss, hidden_state_mse, kl_next_token
 from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl
+from .summary import recovery_card_section, write_recovery_card
 from .trainer import DistillationTrainer
 from .warm_start import PositionWarmStart
 
 __all__ = [
-    "CAUSAL",
-    "ENCODER",
+    "CAUSAL_MODEL",
+    "ENCODER_MODEL",
     "HIDDEN_LAYERS",
-    "KINDS",
-    "POSITION_TABLES",
-    "SEQ2SEQ",
+    "MODEL_KINDS",
+    "SEQ2SEQ_MODEL",
     "DistillationTrainer",
     "PositionWarmStart",
     "RecoveryResult",
@@ -79,7 +77,6 @@ __all__ = [
     "original_length",
     "read_texts",
     "recover",
-    "recover_checkpoint",
     "recovery_card_section",
     "token_stream",
     "write_recovery_card",

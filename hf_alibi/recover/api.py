@@ -11,16 +11,25 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, default_data_collator
-
-import hf_alibi
+from transformers.trainer_callback import PrinterCallback
 
 from ..core.compat import name_or_path
-from ..patch import settings_for
-from .data import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
-from .introspection import CAUSAL, ENCODER, HIDDEN_LAYERS, SEQ2SEQ, model_kind, original_length, position_table
+from ..core.config import get_settings
+from ..fit import fit_slopes
+from ..patch import is_alibi_model, patch_model, settings_for, takes_options
+from ..positions import original_length, position_table
+from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
+from .kinds import CAUSAL_MODEL, ENCODER_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
-from .settings import EVAL_FACTORS, MAX_EVAL_LENGTH, check_settings, default_learning_rate, resolve_lengths
+from .settings import (
+    EVAL_FACTORS,
+    MAX_EVAL_LENGTH,
+    check_settings,
+    check_text_length,
+    default_learning_rate,
+    resolve_lengths,
+)
 from .trainer import DistillationTrainer
 
 
@@ -53,6 +62,7 @@ class _AgreementCallback(TrainerCallback):
             self.evaluate(state.global_step)
 
 
+@takes_options
 def recover(
     model: PreTrainedModel,
     texts: Sequence[str] | torch.Tensor,
@@ -86,6 +96,7 @@ def recover(
     output_dir: str | None = None,
     save_steps: int | None = None,
     resume_from_checkpoint: str | bool | None = None,
+    **options,
 ) -> RecoveryResult:
     """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
 
@@ -96,7 +107,7 @@ def recover(
             token ids. Cut into blocks of ``length`` tokens; the last ``eval_fraction`` of the tokens
             (or ``eval_texts``) is held out for the agreement figures. For encoders and encoder-decoders
             each block (and each input of the agreement figures) carries the special tokens ``tokenizer``
-            adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.data.special_frame`), as the model
+            adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.blocks.special_frame`), as the model
             reads its inputs; causal LMs read the stream as it is.
         length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
             is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
@@ -108,10 +119,12 @@ def recover(
         temperature, hidden_layers: see :func:`distillation_loss`.
         heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
             ``"pretrained"`` (its values live in :data:`hf_alibi.patch.PRESETS`); ``"paper"`` or None: the
-            paper's method.
+            paper's method. The conversion options (``sinks``, ``slope_scale``, ...: :func:`hf_alibi.patch_model`'s)
+            are passed to it too, checked before any work.
         fit_slopes: give the conversion slopes fitted per layer and head by the teacher on the first
             ``min(original maximum, 1024)`` training tokens (:func:`hf_alibi.fit_slopes`) instead of the preset's
-            uniform scale. Default: with a preset, on the models it can fit (decoder-only and encoders).
+            uniform scale. Default: with a preset and no ``slopes`` / ``slope_scale`` given, on the models it can
+            fit (decoder-only and encoders).
         lora_rank: 0 trains every weight; ``R > 0`` trains LoRA adapters of rank R on the attention and MLP
             projections only, merged into the weights at the end (the student is a normal converted model).
         warm_start_steps, attention_only_steps: the levers (module docstring).
@@ -135,27 +148,15 @@ def recover(
         >>> result = recover(AutoModelForCausalLM.from_pretrained("my-gpt2"), texts, tokenizer, max_steps=300)
         >>> result.final["ppl"], result.final["ppl_8x"]
     """
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    if hf_alibi.is_alibi_model(model):
-        raise ValueError(
-            "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
-            "it was converted from."
-        )
-    if hidden_layers not in HIDDEN_LAYERS:
-        raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
-    original = original_length(model)
-    check_settings(
-        original, length=length, max_steps=max_steps, batch_size=batch_size,
-        learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay, lm_weight=lm_weight,
-        temperature=temperature, warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
-        eval_every=eval_every, lora_rank=lora_rank, preset=preset, max_eval_length=max_eval_length,
+    # 1. every check, before any work (the one place: _check)
+    original, kind, preset = _check(
+        model, preset, heads, encoder_variant, options, hidden_layers=hidden_layers, eval_fraction=eval_fraction,
+        eval_texts=eval_texts, warm_start_steps=warm_start_steps, length=length, max_steps=max_steps,
+        batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay,
+        lm_weight=lm_weight, temperature=temperature, attention_only_steps=attention_only_steps,
+        eval_every=eval_every, lora_rank=lora_rank, max_eval_length=max_eval_length,
         max_eval_tokens=max_eval_tokens, save_steps=save_steps, output_dir=output_dir,
     )  # fmt: skip
-    if not 0 < eval_fraction < 1 and eval_texts is None:
-        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
-    kind = model_kind(model)
-    preset = None if preset == "paper" else preset
     if learning_rate is None:
         learning_rate = default_learning_rate(kind, preset, lora_rank)
     try:
@@ -166,43 +167,23 @@ def recover(
     say = log or (lambda _: None)
     for note in lengths.notes:
         _write(f"[recover] {note}", say)
-
-    stream = as_stream(texts, tokenizer, "texts")
-    if eval_texts is not None:
-        train_stream, eval_stream = stream, as_stream(eval_texts, tokenizer, "eval_texts")
-    else:
-        held = max(int(stream.numel() * eval_fraction), length + 1)
-        train_stream, eval_stream = stream[:-held], stream[-held:]
-    eval_stream = eval_stream[: max_eval_tokens + 1]
+    # 2. the text: training blocks and the held-out stream
     # An encoder reads its special tokens around every input ([CLS] ... [SEP]): so do its blocks. A causal LM
     # reads a stream, as it was trained.
-    frame = special_frame(tokenizer) if kind != CAUSAL else NO_FRAME
-    blocks = framed_blocks(train_stream, length, frame)
-    n_blocks = len(blocks)
-    if n_blocks < 1 or eval_stream.numel() <= length:
-        raise ValueError(
-            f"The text is too short: {stream.numel()} tokens, but recovering at length {length} needs at least one "
-            f"training window of {length} tokens and a held-out slice of {length + 1} "
-            f"({2 * length + 1} tokens in all). Pass more text, or a smaller length."
-        )
-
+    frame = special_frame(tokenizer) if kind != CAUSAL_MODEL else NO_FRAME
+    train_stream, blocks, eval_stream = _split_text(
+        texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, length, frame
+    )
+    # 3. the student: a converted copy (slopes fitted by the teacher, where asked)
     teacher = model
-    was_training = teacher.training
-    requires_grad = [p.requires_grad for p in teacher.parameters()]
-    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant)
+    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant, options)
     student = copy.deepcopy(teacher).requires_grad_(True)
-    fitted = {} if slopes is None else {"slopes": slopes}  # none given: patch_model's (or a caller's wrapper's)
-    hf_alibi.patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **fitted)
-    if warm_start_steps and position_table(teacher) is None:
-        raise ValueError(
-            f"warm_start_steps needs a learned position table; {teacher.config.model_type} has none "
-            "(rotary or relative positions). Use warm_start_steps=0."
-        )
-    teacher.eval()
-
+    fitted = {} if slopes is None else {"slopes": slopes}  # none fitted: the options' (or the preset's)
+    patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **{**options, **fitted})
+    trained = add_lora(student, lora_rank) if lora_rank else student
+    # 4. distil, with the agreement at the start, every eval_every steps and at the end
     history: list[dict[str, Any]] = []
     tokens_per_step = batch_size * length
-    trained = add_lora(student, lora_rank) if lora_rank else student
 
     def evaluate(step: int) -> None:
         figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind, frame)
@@ -210,9 +191,106 @@ def recover(
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
         _write(line, say)
 
+    teacher_state = (teacher.training, [p.requires_grad for p in teacher.parameters()])
+    teacher.eval()
     evaluate(0)
-    labels = lm_weight > 0 and kind != ENCODER
-    collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER else default_data_collator
+    trainer, scratch = _trainer(
+        trained, teacher, blocks, tokenizer, kind, evaluate, output_dir=output_dir, max_steps=max_steps,
+        batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay,
+        save_steps=save_steps, seed=seed, progress=progress, lm_weight=lm_weight, temperature=temperature,
+        hidden_layers=hidden_layers, warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
+        eval_every=eval_every,
+    )  # fmt: skip
+    start = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+        teacher.train(teacher_state[0])
+        for parameter, flag in zip(teacher.parameters(), teacher_state[1]):  # the trainer froze it; give it back
+            parameter.requires_grad_(flag)
+    seconds = time.perf_counter() - start
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    evaluate(max_steps)
+    student = merge_lora(trained).eval()
+    # 5. what was done, for the card and recovery.json
+    info = {
+        "teacher": name_or_path(teacher.config) or type(teacher).__name__,
+        "kind": kind,
+        "loss": _loss_name(kind, hidden_layers, lm_weight, temperature),
+        "steps": max_steps,
+        "batch_size": batch_size,
+        "length": length,
+        "tokens": max_steps * tokens_per_step,
+        "train_tokens_available": int(len(blocks) * length),
+        "special_tokens_per_block": frame_size(frame),
+        "epochs": round(max_steps * batch_size / len(blocks), 3),
+        "learning_rate": learning_rate,
+        "preset": preset or "paper",
+        "slopes": _slopes_note(slopes, preset),
+        "lora_rank": lora_rank,
+        "eval_lengths": [f * length for f in eval_factors],
+        "warm_start_steps": warm_start_steps,
+        "attention_only_steps": attention_only_steps,
+        "encoder_variant": get_settings(student.config).encoder_variant,
+        "eval_tokens": int(eval_stream.numel()),
+        "train_seconds": round(seconds, 1),
+    }
+    return RecoveryResult(student=student, history=history, info=info)
+
+
+def _check(model, preset, heads, encoder_variant, options: dict, **settings) -> tuple[int | None, str, str | None]:
+    """Every check of :func:`recover`'s arguments, before any work: one-line ``ValueError`` (``TypeError`` for a
+    model that is no transformers model). Returns the original length, the model's kind and the preset (None:
+    the paper's conversion)."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
+    if is_alibi_model(model):
+        raise ValueError(
+            "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
+            "it was converted from."
+        )
+    hidden_layers = settings.pop("hidden_layers")
+    if hidden_layers not in HIDDEN_LAYERS:
+        raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
+    original = original_length(model)
+    eval_fraction, eval_texts = settings.pop("eval_fraction"), settings.pop("eval_texts")
+    check_settings(original, preset=preset, **settings)
+    if not 0 < eval_fraction < 1 and eval_texts is None:
+        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
+    preset = None if preset == "paper" else preset
+    settings_for(model.config, heads, encoder_variant, preset=preset, **options)  # the conversion's checks
+    if settings["warm_start_steps"] and position_table(model) is None:
+        raise ValueError(
+            f"warm_start_steps needs a learned position table; {model.config.model_type} has none "
+            "(rotary or relative positions). Use warm_start_steps=0."
+        )
+    return original, model_kind(model), preset
+
+
+def _split_text(texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, length, frame):
+    """The training stream, its blocks of ``length`` tokens (``frame`` around each) and the held-out stream
+    (``eval_texts``, else the last ``eval_fraction`` of the text); :func:`check_text_length` on them."""
+    stream = as_stream(texts, tokenizer, "texts")
+    if eval_texts is not None:
+        train_stream, eval_stream = stream, as_stream(eval_texts, tokenizer, "eval_texts")
+    else:
+        held = max(int(stream.numel() * eval_fraction), length + 1)
+        train_stream, eval_stream = stream[:-held], stream[-held:]
+    eval_stream = eval_stream[: max_eval_tokens + 1]
+    blocks = framed_blocks(train_stream, length, frame)
+    check_text_length(stream.numel(), length, enough=len(blocks) >= 1 and eval_stream.numel() > length)
+    return train_stream, blocks, eval_stream
+
+
+def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, *, output_dir, max_steps, batch_size,
+             learning_rate, warmup_steps, weight_decay, save_steps, seed, progress, lm_weight, temperature,
+             hidden_layers, warm_start_steps, attention_only_steps, eval_every):  # fmt: skip
+    """The Trainer that distils ``teacher`` into ``trained``, and the temporary folder it writes to when
+    ``output_dir`` is None (else None): the caller removes it."""
+    labels = lm_weight > 0 and kind != ENCODER_MODEL
+    collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER_MODEL else default_data_collator
     scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_recover_") if output_dir is None else None
     args = TrainingArguments(
         output_dir=output_dir or scratch.name,
@@ -233,78 +311,37 @@ def recover(
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
     )
+    every = max_steps // 4 if eval_every is None else eval_every
     trainer = DistillationTrainer(
-        model=trained,
-        args=args,
-        train_dataset=Blocks(blocks, labels),
-        data_collator=collator,
-        teacher=teacher,
-        kind=kind,
-        lm_weight=lm_weight,
-        temperature=temperature,
-        hidden_layers=hidden_layers,
-        warm_start_steps=warm_start_steps,
-        attention_only_steps=attention_only_steps,
-        callbacks=[_AgreementCallback(evaluate, max_steps // 4 if eval_every is None else eval_every)],
-    )
+        model=trained, args=args, train_dataset=Blocks(blocks, labels), data_collator=collator, teacher=teacher,
+        kind=kind, lm_weight=lm_weight, temperature=temperature, hidden_layers=hidden_layers,
+        warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
+        callbacks=[_AgreementCallback(evaluate, every)],
+    )  # fmt: skip
     if not progress:
-        from transformers.trainer_callback import PrinterCallback
-
         trainer.remove_callback(PrinterCallback)
-    start = time.perf_counter()
-    try:
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    finally:
-        if scratch is not None:
-            scratch.cleanup()
-        teacher.train(was_training)
-        for parameter, flag in zip(teacher.parameters(), requires_grad):  # the trainer froze it; give it back
-            parameter.requires_grad_(flag)
-    seconds = time.perf_counter() - start
-    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    evaluate(max_steps)
-    student = merge_lora(trained).eval()
-    epochs = max_steps * batch_size / n_blocks
-    info = {
-        "teacher": name_or_path(teacher.config) or type(teacher).__name__,
-        "kind": kind,
-        "loss": _loss_name(kind, hidden_layers, lm_weight, temperature),
-        "steps": max_steps,
-        "batch_size": batch_size,
-        "length": length,
-        "tokens": max_steps * tokens_per_step,
-        "train_tokens_available": int(n_blocks * length),
-        "special_tokens_per_block": frame_size(frame),
-        "epochs": round(epochs, 3),
-        "learning_rate": learning_rate,
-        "preset": preset or "paper",
-        "slopes": _slopes_note(slopes, preset),
-        "lora_rank": lora_rank,
-        "eval_lengths": [f * length for f in eval_factors],
-        "warm_start_steps": warm_start_steps,
-        "attention_only_steps": attention_only_steps,
-        "encoder_variant": hf_alibi.get_settings(student.config).encoder_variant,
-        "eval_tokens": int(eval_stream.numel()),
-        "train_seconds": round(seconds, 1),
-    }
-    return RecoveryResult(student=student, history=history, info=info)
+    return trainer, scratch
 
 
 FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (eager attention: heads x T^2 per layer)
 
 
-def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant) -> list[list[float]] | None:
-    """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the preset's)."""
+def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant, options) -> list[list[float]] | None:
+    """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the options' or the
+    preset's)."""
+    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
     if fit is None:  # by default where it can (fit_slopes refuses encoder-decoders itself when asked)
-        fit = preset is not None and not getattr(teacher.config, "is_encoder_decoder", False)
+        fit = preset is not None and not given and not getattr(teacher.config, "is_encoder_decoder", False)
     if not fit:
         return None
+    if given:
+        raise ValueError(f"fit_slopes computes the slopes: drop {' and '.join(given)} (or pass fit_slopes=False).")
     if preset is None:
         raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
-    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset)
+    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset, **options)
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
     text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
-    return hf_alibi.fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
+    return fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
 
 
 def _slopes_note(slopes, preset: str | None) -> str:
@@ -314,13 +351,13 @@ def _slopes_note(slopes, preset: str | None) -> str:
 
 
 def _loss_name(kind: str, hidden_layers: str, lm_weight: float, temperature: float) -> str:
-    if kind == CAUSAL:
+    if kind == CAUSAL_MODEL:
         name = f"KL(teacher ‖ student) of next-token distributions (temperature {temperature:g})"
     else:
         layers = "last layer" if hidden_layers == "last" else "every layer"
-        name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ else "")
+        name = f"MSE of hidden states ({layers})" + (" + KL of decoder logits" if kind == SEQ2SEQ_MODEL else "")
     if lm_weight:
-        name += f", mixed with the {'MLM' if kind == ENCODER else 'LM'} loss (weight {lm_weight:g})"
+        name += f", mixed with the {'MLM' if kind == ENCODER_MODEL else 'LM'} loss (weight {lm_weight:g})"
     return name
 
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .introspection import CAUSAL, HIDDEN_LAYERS, KINDS, SEQ2SEQ
+from .kinds import CAUSAL_MODEL, HIDDEN_LAYERS, MODEL_KINDS, SEQ2SEQ_MODEL
 
 
 def _last_hidden(outputs, kind: str) -> torch.Tensor:
-    if kind == SEQ2SEQ:
+    if kind == SEQ2SEQ_MODEL:
         return outputs.encoder_last_hidden_state
     return outputs.hidden_states[-1]
 
@@ -19,7 +19,7 @@ def _last_hidden(outputs, kind: str) -> torch.Tensor:
 def _hidden_list(outputs, kind: str, hidden_layers: str) -> list[torch.Tensor]:
     if hidden_layers == "last":
         return [_last_hidden(outputs, kind)]
-    states = outputs.encoder_hidden_states if kind == SEQ2SEQ else outputs.hidden_states
+    states = outputs.encoder_hidden_states if kind == SEQ2SEQ_MODEL else outputs.hidden_states
     return list(states[1:])  # every layer's output (states[0] is the embeddings)
 
 
@@ -88,18 +88,18 @@ def distillation_loss(
     ...     t = teacher(input_ids=ids, output_hidden_states=True)
     >>> distillation_loss(student(input_ids=ids, output_hidden_states=True), t, "encoder").backward()
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}.")
     if hidden_layers not in HIDDEN_LAYERS:
         raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
     student_logits = getattr(student_outputs, "logits", None)
-    if kind == CAUSAL and student_logits is not None:
+    if kind == CAUSAL_MODEL and student_logits is not None:
         return kl_next_token(student_logits, teacher_outputs.logits, attention_mask, temperature)
     hidden = hidden_state_mse(
         _hidden_list(student_outputs, kind, hidden_layers),
         _hidden_list(teacher_outputs, kind, hidden_layers),
         attention_mask,
     )
-    if kind == SEQ2SEQ and student_logits is not None:
+    if kind == SEQ2SEQ_MODEL and student_logits is not None:
         return hidden + kl_next_token(student_logits, teacher_outputs.logits, None, temperature)
     return hidden

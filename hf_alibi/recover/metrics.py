@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..evaluation import evaluate_perplexity
-from .data import NO_FRAME, Frame, frame_rows, frame_size
-from .introspection import CAUSAL, model_kind
+from .blocks import NO_FRAME, Frame, frame_rows, frame_size
+from .kinds import CAUSAL_MODEL, model_kind
 from .losses import kl_next_token
 
 
@@ -56,7 +56,7 @@ def embedding_cosine(
     """Mean cosine between the student's mean-pooled embedding of each window of ``factor * length``
     tokens of ``stream`` and the teacher's, which at ``factor > 1`` is the mean of its mean-pooled
     embeddings of the window's ``factor`` pieces of ``length`` tokens (it cannot read past ``length``).
-    With a ``frame`` (:func:`~hf_alibi.recover.data.special_frame`: ``[CLS] ... [SEP]``), every input
+    With a ``frame`` (:func:`~hf_alibi.recover.blocks.special_frame`: ``[CLS] ... [SEP]``), every input
     either model reads is framed: the student's window holds the text of the teacher's ``factor`` pieces.
     None when ``stream`` is shorter than one window.
 
@@ -124,7 +124,7 @@ def agreement(
     was_training = student.training
     result: dict[str, Any] = {}
     try:
-        if kind == CAUSAL and student.get_output_embeddings() is not None:
+        if kind == CAUSAL_MODEL and student.get_output_embeddings() is not None:
             result["kl"] = next_token_kl(student, teacher, stream, length)
             result["teacher_ppl"] = evaluate_perplexity(teacher, stream[: _usable(stream, length)], length)[
                 "perplexity"

@@ -11,19 +11,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Training at the original maximum (8192 for SmolLM2) and evaluating at 8x that never finishes on a
-# CPU: the defaults are bounded, and every bound that bit is said (RecoveryLengths.notes).
+from ..patch import PRESETS
+
+# Bounded defaults (a CPU never finishes at the original maximum x 8); every bound that bit is said
+# (RecoveryLengths.notes). The measurements behind these values: docs/measurements.md.
 MAX_DEFAULT_LENGTH = 512
 MAX_EVAL_LENGTH = 2048
 EVAL_FACTORS = (1, 2, 4, 8)
 
-# The learning rate when none is given, by how far the conversion starts from the original. The preset keeps
-# a causal LM's next tokens close (SmolLM2-135M: KL 0.004 per token at 256): full training at 2e-4 for 40
-# steps of 2 x 256 moved it away (KL 0.0035 -> 0.052), 1e-5 brought it closer (0.0038 -> 0.0027; at 1024
-# 0.020 -> 0.015). An encoder loses more (all-MiniLM-L6-v2: cosine 0.71 at 256 after the preset): 1e-4 took it
-# to 0.89 in 100 steps of 8 x 256. The paper's conversion starts far from any pretrained model. LoRA trains
-# far fewer weights from zero: LORA_FACTOR x the full rate (SmolLM2, the same 40 steps: rank 16 at 2e-4 ended
-# at KL 0.0022 / 0.0139 at 256 / 1024, full training at 1e-5 at 0.0027 / 0.0152). (docs/recovery.md has the runs.)
+# The learning rate when none is given, by how far the conversion starts from the original; LoRA: LORA_FACTOR x
+# the full rate (docs/measurements.md).
 DEFAULT_LEARNING_RATES = {"causal": 1e-5, "encoder": 1e-4, "seq2seq": 1e-4, "paper": 2e-4}
 LORA_FACTOR = 20.0
 
@@ -129,12 +126,26 @@ def check_settings(original: int | None = None, **settings) -> None:
         )
     preset = settings.get("preset")
     if preset not in (None, "paper"):
-        from ..patch import PRESETS
-
         if preset not in PRESETS:
             raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} or 'paper' (--preset).")
     if settings.get("save_steps") and not settings.get("output_dir", True):
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")
+
+
+def check_text_length(tokens: int, length: int, enough: bool) -> None:
+    """The one error for text too short to recover at ``length`` (``tokens`` in all; ``enough``: whether it holds
+    a training window and a held-out slice, as the caller splits it).
+
+    >>> check_text_length(20, 16, enough=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: The text is too short: 20 tokens, but recovering at length 16 needs ...
+    """
+    if not enough:
+        raise ValueError(
+            f"The text is too short: {tokens} tokens, but recovering at length {length} needs at least one training "
+            f"window of {length} tokens and a held-out slice of {length + 1} ({2 * length + 1} tokens in all). Pass "
+            "more text, or a smaller length (--length)."
+        )
 
 
 def _finite(value) -> bool:

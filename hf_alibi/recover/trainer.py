@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer
 
 from ..core.compat import loss_is_per_batch_mean
-from .introspection import CAUSAL, HIDDEN_LAYERS, SEQ2SEQ, model_kind
+from .kinds import CAUSAL_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
 from .losses import distillation_loss
 from .warm_start import PositionWarmStart
 
@@ -59,9 +59,9 @@ class DistillationTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
-        if self.kind == SEQ2SEQ and "decoder_input_ids" not in inputs:
+        if self.kind == SEQ2SEQ_MODEL and "decoder_input_ids" not in inputs:
             inputs["decoder_input_ids"] = _shift_right(self.teacher, inputs["input_ids"])
-        hidden = self.kind != CAUSAL or getattr(self.teacher, "get_output_embeddings", lambda: None)() is None
+        hidden = self.kind != CAUSAL_MODEL or getattr(self.teacher, "get_output_embeddings", lambda: None)() is None
         self.teacher.eval()
         with torch.no_grad():
             teacher_outputs = self.teacher(**inputs, output_hidden_states=hidden)

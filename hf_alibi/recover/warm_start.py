@@ -6,14 +6,14 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.config import get_settings
-from .introspection import position_table
+from ..positions import position_table
 
 
 class PositionWarmStart:
     """The warm-start lever: the original learned position table (a frozen copy) added to the student's
     input embeddings with a weight that falls linearly from 1 to 0 over ``steps`` steps; removed after.
 
-    Only for models with a learned absolute position table (GPT-2, BERT, RoBERTa); a ``ValueError`` else.
+    Only for models with a learned absolute position table (GPT-2, BERT, RoBERTa, OPT); a ``ValueError`` else.
     Inputs are taken to start at position 0 (training blocks, no left padding).
     """
 

@@ -1,21 +1,18 @@
-"""hf_alibi/checkpoints.py: one answer to each question about a checkpoint, and the outer layer's imports."""
+"""hf_alibi/checkpoints.py and hf_alibi/positions.py: one answer to each question about a checkpoint and its
+positions (the package's imports: tests/test_imports.py)."""
 
-import ast
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from arch_cases import CASE_IDS, CASES
 from transformers import GPT2Config, LlamaConfig, RobertaConfig, RobertaModel, T5Config
 
 from hf_alibi import checkpoints
-from hf_alibi.checkpoints import CheckpointError, is_alibi, original_length, source_kind
+from hf_alibi.checkpoints import CheckpointError, is_alibi, source_kind
 from hf_alibi.evaluation import position_limit
+from hf_alibi.positions import original_length, position_table
 from hf_alibi.recover import original_length as model_original_length
-
-PACKAGE = Path(__file__).resolve().parents[2] / "hf_alibi"
 
 
 def tiny_roberta(pad_token_id=1) -> RobertaModel:
@@ -39,6 +36,27 @@ def test_roberta_length_is_what_the_model_can_run():
     assert original_length(config_dict) == original_length(model.config) == original_length(model) == 64
     assert model_original_length(model) == 64  # hf_alibi.recover
     assert position_limit(model) == 64  # hf_alibi.evaluation (was 66: the table's rows)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_position_table_is_the_one_the_model_reads_from_its_first_used_row(case):
+    """The reference is the model: with row i of its table set to i, what the table gives position 0 is the
+    index position_table names, and the rows from there hold the original length (OPT's embed_positions too)."""
+    model = case.make(attn_implementation="eager")
+    found = position_table(model)
+    if case.model_type not in ("gpt2", "bert", "roberta", "opt"):  # rotary and relative rows: no table
+        assert found is None
+        return
+    table, first = found
+    with torch.no_grad():
+        table.weight.copy_(torch.arange(table.num_embeddings, dtype=table.weight.dtype)[:, None])
+    seen = []
+    handle = table.register_forward_hook(lambda module, args, output: seen.append(output[0, 0, 0].item()))
+    with torch.no_grad():
+        model(**case.inputs(1, 5))
+    handle.remove()
+    assert seen == [first]
+    assert table.num_embeddings - first == original_length(model)
 
 
 def test_original_length_other_configs():
@@ -92,73 +110,3 @@ def test_staged_output_turns_oserror_into_one_error(tmp_path):
     with checkpoints.staged_output(out) as staging:
         (staging / "weights").write_text("whole")
     assert [p.name for p in out.iterdir()] == ["weights"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
-
-
-# ---------------------------------------------------------------------------------------------- imports
-
-
-def _module_imports(path: Path) -> set[str]:
-    """The hf_alibi modules ``path`` imports at module level (imports inside functions run later)."""
-    name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If):  # TYPE_CHECKING blocks do not run
-            continue
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            if base.startswith("hf_alibi"):
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("hf_alibi"))
-    return found
-
-
-def test_the_outer_layer_has_no_import_cycle():
-    modules = {
-        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in PACKAGE.rglob("*.py")
-        if "core" not in p.relative_to(PACKAGE).parts
-    }
-    graph = {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
-    # a package imports its submodules; a submodule importing its own package's __init__ is the parent's job
-    for name in graph:
-        graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}
-    visiting, done = set(), set()
-
-    def visit(name, trail):
-        assert name not in visiting, f"import cycle: {' -> '.join(trail + [name])}"
-        if name in done:
-            return
-        visiting.add(name)
-        for target in sorted(graph[name]):
-            visit(target, trail + [name])
-        visiting.discard(name)
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, [])
-    assert "hf_alibi.cli" not in graph["hf_alibi.recover.checkpoint"]
-    assert not any(m.startswith("hf_alibi.recover") for m in graph["hf_alibi.cli"])
-
-
-@pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
-@pytest.mark.parametrize(
-    "name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.recover.checkpoint"]
-)
-def test_a_module_imports_first_in_a_fresh_interpreter(name):
-    """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
-    code = "import importlib, sys; importlib.import_module(sys.argv[1])"
-    child = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
-    assert child.returncode == 0, f"{name}: {child.stderr[-2000:]}"
-
-
-def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
-    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"

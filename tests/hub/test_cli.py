@@ -23,7 +23,7 @@ from sharing import (
 from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
 
 import hf_alibi
-from hf_alibi import cli
+from hf_alibi import checkpoints, cli
 from hf_alibi.hub import auto_classes_for
 
 ARCHITECTURES = sorted(TINY_BY_TYPE)  # the full cases (tests/arch_cases.py)
@@ -78,7 +78,7 @@ def test_convert_writes_a_complete_alibi_checkpoint(converted):
 
 def test_converted_checkpoint_equals_patch_model_of_the_source(converted):
     model_type, src, out = converted
-    original_class = cli.model_class_for(json.loads((src / "config.json").read_text()))
+    original_class = checkpoints.model_class_for(json.loads((src / "config.json").read_text()))
     reference = hf_alibi.patch_model(original_class.from_pretrained(src)).eval()
     loaded = type(reference).from_pretrained(out).eval()
     assert type(loaded) is type(reference)
@@ -96,6 +96,34 @@ def test_model_card_header_parses(converted):
     settings = json.loads((out / "config.json").read_text())["alibi"]
     assert f"| `heads` | `{settings['heads']}` |" in card.text
     assert "trust_remote_code=True" in card.text
+
+
+@pytest.mark.parametrize("preset", [None, "pretrained"])
+def test_model_card_says_what_the_settings_mean_for_training(preset):
+    """The card's note comes from the settings: the paper's conversion must be trained before use, the pretrained
+    preset's runs without training (and says what it kept); the slopes listed are the ones in use."""
+    from hf_alibi.hub.card import model_card
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf_alibi.patch_model(transformers.LlamaForCausalLM(config), preset=preset)
+    card = model_card(model.config)
+    settings = hf_alibi.get_settings(model.config)
+    in_use = ", ".join(f"{m * settings.slope_scale:.6g}" for m in hf_alibi.get_slopes_list(4))
+    assert f"Slopes `m_h` in use, head by head: {in_use}." in card
+    assert "Converting does not train" not in card and "Note: converting does not train." in card
+    if preset is None:
+        assert "must be fine-tuned (or recovered" in card and "keep part of what" not in card
+    else:
+        assert "must be fine-tuned" not in card and "runs without training" in card
+        kept = "(sinks: 1; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 128)"
+        assert f"These settings keep part of what the pretrained weights learned about order {kept}" in card
+    recovered = model_card(model.config, recovery="\n## Recovery\n\nsteps\n")
+    assert "must be fine-tuned" not in recovered and "was recovered after conversion" in recovered
+    assert recovered.rstrip().endswith("## Recovery\n\nsteps")
 
 
 def test_info_reports_the_settings(converted, capsys):
@@ -250,7 +278,7 @@ def loaded_without_hf_alibi(conversions, tmp_path_factory):
             continue  # the converted fixture reports it
         src, out = conversion
         try:
-            model = cli.model_class_for(json.loads((src / "config.json").read_text())).__name__
+            model = checkpoints.model_class_for(json.loads((src / "config.json").read_text())).__name__
             auto_name = next(a for a, c in auto_classes_for(model_type).items() if c == model)
             reference = getattr(transformers, auto_name).from_pretrained(out).eval()  # hf_alibi's classes
             inputs = example_inputs(model_type, reference)

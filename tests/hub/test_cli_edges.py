@@ -166,12 +166,13 @@ def train_file(tmp_path):
 @pytest.fixture
 def no_training(monkeypatch):
     """Fails the test if recover gets as far as loading the teacher or distilling."""
-    import hf_alibi.recover.checkpoint as job
+    import hf_alibi.jobs as job
+    import hf_alibi.recover.api as api
 
     def refuse(*args, **kwargs):
         raise AssertionError("recover loaded or trained although OUT cannot be written")
 
-    monkeypatch.setattr(job, "recover", refuse)
+    monkeypatch.setattr(api, "recover", refuse)  # where recover_checkpoint takes it from when it runs
     monkeypatch.setattr(job.AutoTokenizer, "from_pretrained", refuse)
 
 
@@ -405,7 +406,7 @@ def src32(tmp_path):
 @pytest.fixture
 def no_recover_loading(monkeypatch, no_training):
     """Fails the test if recover loads the model (on top of the tokenizer and the training)."""
-    import hf_alibi.recover.checkpoint as job
+    import hf_alibi.jobs as job
 
     def refuse(config_dict):
         raise AssertionError("recover picked a model class to load although a setting is bad")

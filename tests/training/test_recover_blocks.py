@@ -15,7 +15,7 @@ from tiny import VOCAB, tiny_bert, tiny_gpt2
 import hf_alibi
 import hf_alibi.recover.api as recover_api
 from hf_alibi.recover import embedding_cosine, recover, token_stream
-from hf_alibi.recover.data import framed_blocks, special_frame
+from hf_alibi.recover.blocks import framed_blocks, special_frame
 
 CLS, SEP = 1, 2
 

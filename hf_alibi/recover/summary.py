@@ -1,10 +1,11 @@
-"""The model card section that says how a checkpoint was recovered."""
+"""What a recovery did, as the model card's section (the card itself is :mod:`hf_alibi.hub.card`)."""
 
 from __future__ import annotations
 
 import math
 import os
 
+from ..hub.card import write_model_card
 from .api import RecoveryResult
 
 
@@ -52,21 +53,10 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
-def write_recovery_card(folder: str | os.PathLike, result: RecoveryResult) -> None:
-    """Append :func:`recovery_card_section` to ``folder``/README.md (the converted checkpoint's card) and
-    remove the card's note that a converted model must be fine-tuned first (this one was).
+def write_recovery_card(folder: str | os.PathLike, result: RecoveryResult, base_model: str | None = None) -> None:
+    """Write ``folder``/README.md again as the card of a recovered checkpoint: the converted checkpoint's card,
+    written from its settings, with :func:`recovery_card_section` (``base_model``: the Hub id it came from).
 
     >>> result.student.save_pretrained("recovered"); write_recovery_card("recovered", result)
     """
-    from pathlib import Path
-
-    path = Path(folder) / "README.md"
-    card = path.read_text() if path.exists() else ""
-    note_start = card.find("Note: converting does not train.")
-    if note_start >= 0:
-        note_end = card.find("\n\n", note_start)
-        card = card[:note_start] + (
-            "Note: this checkpoint was recovered after conversion (see *Recovery* below)."
-            + (card[note_end:] if note_end >= 0 else "\n")
-        )
-    path.write_text(card.rstrip("\n") + "\n" + recovery_card_section(result))
+    write_model_card(folder, result.student.config, base_model, overwrite=True, recovery=recovery_card_section(result))

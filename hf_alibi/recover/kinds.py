@@ -1,0 +1,28 @@
+"""What kind of model a teacher is (its position table and length: :mod:`hf_alibi.positions`)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from ..core.config import get_settings
+from ..patch import is_alibi_model
+from ..registry import get_architecture
+
+CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL = "causal", "encoder", "seq2seq"
+MODEL_KINDS = (CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL)
+HIDDEN_LAYERS = ("last", "all")
+
+
+def model_kind(model: PreTrainedModel) -> str:
+    """``"causal"`` (decoder-only, or BERT with ``is_decoder``), ``"encoder"`` or ``"seq2seq"``.
+
+    >>> model_kind(GPT2LMHeadModel(GPT2Config()))
+    'causal'
+    """
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return SEQ2SEQ_MODEL
+    base_type = get_settings(config).base_model_type if is_alibi_model(model) else config.model_type
+    if get_architecture(base_type).bidirectional and not getattr(config, "is_decoder", False):
+        return ENCODER_MODEL
+    return CAUSAL_MODEL

@@ -1,0 +1,130 @@
+"""hf_alibi's import graph: no cycle, counting the imports inside functions; what ``import hf_alibi`` loads."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_alibi"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of hf_alibi by dotted name (a package by its own name)."""
+    return {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+
+
+MODULES = _modules()
+
+
+def _reexports(package: str) -> dict[str, str]:
+    """name -> the submodule a package's ``__init__`` takes it from (``from .x import name``, ``TYPE_CHECKING``
+    blocks included: they name the homes of a lazy ``__getattr__``)."""
+    found = {}
+    for node in ast.walk(ast.parse(MODULES[package].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                found[alias.asname or alias.name] = f"{package}.{node.module}"
+    return found
+
+
+def _home(base: str, name: str) -> str | None:
+    """The module ``from base import name`` depends on: the submodule ``base.name``, the submodule a package
+    re-exports ``name`` from, else ``base`` itself."""
+    if f"{base}.{name}" in MODULES:
+        return f"{base}.{name}"
+    if base in MODULES and MODULES[base].name == "__init__.py":
+        home = _reexports(base).get(name)
+        if home is not None:
+            return _home(*home.rsplit(".", 1)) if home not in MODULES else home
+    return base if base in MODULES else None
+
+
+def imports_of(name: str) -> set[str]:
+    """The hf_alibi modules ``name`` imports anywhere: at module level, inside functions, in ``TYPE_CHECKING``
+    blocks (an import that runs later still closes a circle), and the packages that enclose them."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] == "hf_alibi":
+                found.update(_home(base, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "hf_alibi")
+    found.discard(None)
+    # importing a.b.c runs the package a.b first: an edge to every enclosing package but the importer's own
+    found |= {m.rsplit(".", k)[0] for m in found for k in range(1, m.count(".") + 1)}
+    found = {m for m in found if m in MODULES and not name.startswith(m + ".")}
+    found.discard(name)
+    return found
+
+
+def test_no_module_imports_an_enclosing_package_whole():
+    """``import hf_alibi`` inside hf_alibi hides which module it needs; import that module instead."""
+    for name in MODULES:
+        path = MODULES[name]
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        enclosing = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                enclosing |= {a.name for a in node.names if name.startswith(a.name + ".")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                enclosing |= {base for a in node.names if name.startswith(base + ".") and _home(base, a.name) == base}
+        assert not enclosing, f"{name} imports its enclosing package {sorted(enclosing)}: import the module needed"
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph = {name: imports_of(name) for name in MODULES}
+    visiting, done = set(), set()
+
+    def visit(name, trail):
+        assert name not in visiting, f"import cycle: {' -> '.join(trail + [name])}"
+        if name in done:
+            return
+        visiting.add(name)
+        for target in sorted(graph[name]):
+            visit(target, trail + [name])
+        visiting.discard(name)
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not any(m.startswith("hf_alibi.hub") for m in graph["hf_alibi.registry"])  # the mixin is given
+    assert "hf_alibi.cli" not in {m for deps in graph.values() for m in deps} - graph["hf_alibi.__main__"]
+
+
+def test_the_core_imports_only_itself():
+    """hf_alibi/core is copied into checkpoints as remote code: nothing of the outer layer."""
+    for name in MODULES:
+        if name.startswith("hf_alibi.core."):
+            outer = {m for m in imports_of(name) if not m.startswith("hf_alibi.core")}
+            assert not outer, f"{name} imports {sorted(outer)}"
+
+
+@pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
+@pytest.mark.parametrize("name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.jobs"])
+def test_a_module_imports_first_in_a_fresh_interpreter(name):
+    """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
+    code = "import importlib, sys; importlib.import_module(sys.argv[1])"
+    child = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
+    assert child.returncode == 0, f"{name}: {child.stderr[-2000:]}"
+
+
+def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
+    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
