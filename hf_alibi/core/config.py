@@ -9,7 +9,6 @@ ever loading the checkpoint as the original architecture with fresh position emb
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -132,7 +131,9 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
-        return _reported_name(stored) if isinstance(stored, str) or stored is None else alibi_name(base_name(stored))
+        if isinstance(stored, str) and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
+            return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
+        return alibi_name(base_name(stored))
 
     def accepted_attn_implementation(self, value):
         if isinstance(value, dict):
@@ -241,11 +242,3 @@ def rebind_config(root, old: PretrainedConfig, new: PretrainedConfig) -> None:
     for module in root.modules():
         if getattr(module, "config", None) is old:
             module.config = new
-
-
-@lru_cache(maxsize=64)
-def _reported_name(stored: str | None) -> str | None:
-    # transformers reads config._attn_implementation several times per layer and step: worked out once per name
-    if stored is not None and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
-        return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
-    return alibi_name(base_name(stored))

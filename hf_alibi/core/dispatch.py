@@ -136,7 +136,7 @@ def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value
     # the kernel, forward and backward, with flush-to-zero on the CPU (denormals.py): ALiBi's far keys would
     # otherwise make it compute subnormal weights, which many CPUs do in microcode. Not for decoding steps and
     # small chunks: there the flush's set and restore cost more than the subnormals (docs/performance.md)
-    if query.shape[2] < FLUSH_MIN_QUERIES:
+    if is_exporting() or query.shape[2] < FLUSH_MIN_QUERIES:  # tracing first: no guard on the query count
         return run(query, key, value)
     query, key, value, close = bracket(query, key, value)
     with flushed(query):
