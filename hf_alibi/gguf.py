@@ -32,6 +32,7 @@ import torch
 
 from .checkpoints import is_alibi, read_config
 from .core.config import get_settings, is_alibi_config
+from .core.settings import conversion_options
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # each checked against llama.cpp itself (tests/hub/test_gguf.py); the others differ in their block (norms with an
@@ -120,17 +121,12 @@ def check_exportable(model) -> str:
         raise GGUFExportError("This model is not converted to ALiBi: hf_alibi.patch_model it first.")
     settings = get_settings(config)
     base = settings.base_model_type
+    # every declared option away from its default (the paper's ALiBi): llama.cpp has none of them, and an option
+    # added later is refused here until someone shows llama.cpp can run it
     kept = [
-        f"{name}={value}"
-        for name, value in (
-            ("sinks", settings.sinks),
-            ("slope_scale", settings.slope_scale if settings.slope_scale != 1.0 else None),
-            ("slopes", "..." if settings.slopes is not None else None),
-            ("rotary_max_wavelength", settings.rotary_max_wavelength),
-            ("position_mean", "kept" if getattr(settings, "position_mean", None) else None),
-            ("table_max_wavelength", settings.table_max_wavelength),
-        )
-        if value
+        f"{field.name}={value}" if isinstance(value, (int, float)) else field.name
+        for field in conversion_options()
+        if (value := getattr(settings, field.name)) != field.default
     ]
     if kept:
         raise GGUFExportError(f"llama.cpp cannot express {', '.join(kept)} of this conversion. {WHAT_EXPORTS}.")

@@ -120,6 +120,7 @@ def test_the_file_carries_the_architecture_tokenizer_and_chat_template(tokenizer
         ("llama", {}, {"sinks": 1}, "sinks=1"),
         ("llama", {}, {"preset": "pretrained"}, "rotary_max_wavelength"),
         ("gpt2", {}, {"slope_scale": 0.5}, "slope_scale=0.5"),
+        ("gpt2", {}, {"preset": "pretrained"}, "position_mean="),
         ("mistral", {}, {}, "sliding-window"),
         ("ernie4_5", {"use_bias": True}, {}, "MLP biases"),
         ("seed_oss", {"attention_out_bias": True}, {}, "o_proj bias"),
