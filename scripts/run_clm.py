@@ -467,6 +467,11 @@ def main():
             json.dump(figures, f, indent=2, sort_keys=True)
         print(f"\nAgreement with the original (validation, length {block_size}): {format_agreement(figures)}")
 
+    # The trained model whole, on every rank (with FSDP2 unsharded_copy all-gathers, so every rank calls it): each rank
+    # scores its own share of the windows below (a sharded forward would need every rank in step); rank 0 exports it
+    if data_args.lengths or model_args.export_gguf:
+        model = unsharded_copy(trainer.accelerator.unwrap_model(trainer.model))
+
     # Evaluation at many lengths: every rank takes a share of the windows, all get the same sums
     if data_args.lengths:
         splits = {}
@@ -474,10 +479,6 @@ def main():
             if split in tokenized_datasets:
                 ids = torch.tensor(list(chain(*tokenized_datasets[split]["input_ids"])), dtype=torch.long)
                 splits[split] = ids[: data_args.max_eval_tokens] if data_args.max_eval_tokens else ids
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        if is_fsdp2(model):
-            # each rank scores its own share of the windows: a sharded forward would need every rank in step
-            model = unsharded_copy(model)
         results = evaluate_lengths(
             model, splits, data_args.lengths, data_args.eval_stride, data_args.eval_lengths_batch_size
         )
@@ -505,8 +506,6 @@ def main():
 
     # llama.cpp: the trained model and its tokenizer as one GGUF file
     if model_args.export_gguf and training_args.process_index == 0:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model = unsharded_copy(model) if is_fsdp2(model) else model
         out = os.path.join(training_args.output_dir, f"model-{model_args.export_gguf}.gguf")
         hf_alibi.export_gguf(model, out, outtype=model_args.export_gguf, tokenizer=tokenizer, overwrite=True)
         print(f"\nllama.cpp: {out} (llama-cli -m {out})")

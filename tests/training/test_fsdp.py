@@ -183,6 +183,7 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     script_args = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(out)]
     script_args += ["--validation_file", str(tmp_path / "validation.txt"), "--eval_lengths", "32,64,128"]
     script_args += ["--max_eval_tokens", "500", "--eval_stride", "16"]
+    script_args += ["--export_gguf", "f32"]  # the whole model is gathered on every rank, rank 0 writes the file
     result = _launch((accelerate_args, script_args), tmp_path, _free_port())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "would train with" not in result.stderr
@@ -193,6 +194,7 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     # when the Trainer wrote only shards)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == "AlibiGPT2LMHeadModel" and not hasattr(model.transformer, "wpe")
+    assert (out / "model-f32.gguf").read_bytes()[:4] == b"GGUF"
     checkpoint = out / "checkpoint-2"
     assert json.loads((checkpoint / "config.json").read_text())["model_type"] == "alibi_gpt2"
     if state_dict_type == "SHARDED_STATE_DICT":
