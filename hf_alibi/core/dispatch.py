@@ -103,10 +103,7 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
             alibi.last_path = BIAS
             mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
-            kwargs.pop("is_causal", None)
-            kwargs.pop("position_bias", None)
-            run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
-            return _flushed_kernel(run, query, key, value)
+            return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
         path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
         alibi.last_path = path
         if path == FOLDED:
@@ -124,12 +121,17 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
             # into an empty static cache) and then cuts the keys to the queries: do the same.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
         mask = bias_mask(alibi, query, key.shape[2], attention_mask)
-        kwargs.pop("is_causal", None)  # causality is in the mask now
-        kwargs.pop("position_bias", None)
-        run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
-        return _flushed_kernel(run, query, key, value)
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
 
     return alibi_attention_forward
+
+
+def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict):
+    # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now
+    kwargs.pop("is_causal", None)
+    kwargs.pop("position_bias", None)
+    run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
+    return _flushed_kernel(run, query, key, value)
 
 
 def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
