@@ -41,10 +41,9 @@ REFACT_TYPES = ("llama", "mistral", "qwen2", "smollm3", "seed_oss", "ernie4_5", 
 MPT_TYPES = ("gpt2",)
 MAX_ALIBI_BIAS = 8.0  # the paper's slopes: m_h = 2^(-8 h / n) (llama.cpp's m0/m1 rule for other head counts)
 WHAT_EXPORTS = (
-    "GGUF export takes converted llama, mistral, qwen2 (no sliding window), smollm3, seed_oss, ernie4_5, phi3 and "
-    "glm models (llama.cpp's refact) and "
-    "gpt2 (mpt), converted with the paper's slopes on every key (patch_model's defaults: no preset, sinks, "
-    "slope_scale, slopes or retained positions)"
+    f"GGUF export takes converted {', '.join(REFACT_TYPES)} models without sliding windows (llama.cpp's refact) and "
+    f"{', '.join(MPT_TYPES)} (mpt), converted with the paper's slopes on every key (patch_model's defaults: no "
+    "preset, sinks, slope_scale, slopes or retained positions)"
 )
 
 
@@ -192,7 +191,7 @@ def _write_parameters(writer, model, arch: str, outtype: str) -> None:
         writer.add_block_count(config.num_hidden_layers)
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_head_count(heads)
-        writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+        writer.add_head_count_kv(_kv_heads(config))
         writer.add_key_length(attention.head_dim)
         writer.add_value_length(attention.head_dim)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -203,6 +202,10 @@ def _write_parameters(writer, model, arch: str, outtype: str) -> None:
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     }
     writer.add_file_type(file_types[outtype])
+
+
+def _kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # grouped, else every head
 
 
 def _tensors(model, arch: str):
@@ -235,7 +238,7 @@ def _tensors(model, arch: str):
         attention = model.base_model.layers[0].self_attn
         config = model.config
         q = config.num_attention_heads * attention.head_dim
-        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * attention.head_dim
+        kv = _kv_heads(config) * attention.head_dim
         for i in range(config.num_hidden_layers):
             layer = {name[len(f"layers.{i}.") :]: t for name, t in base.items() if name.startswith(f"layers.{i}.")}
             for kind in ("weight", "bias"):  # phi3's fused q/k/v: [q; k; v] along the output rows
