@@ -8,7 +8,7 @@ own name to the ``transformers`` namespace of this server process (no transforme
 MODEL and hands every other argument to transformers' server unchanged::
 
     hf-alibi serve ./my-alibi-llama --port 8000 --continuous-batching
-    python -m hf_alibi.serve ./my-alibi-llama --port 8000
+    python -m hf_alibi serve ./my-alibi-llama --port 8000
 """
 
 from __future__ import annotations
@@ -53,21 +53,3 @@ def serve(model: str, arguments: list[str]) -> None:
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
     app(args=["serve", model, *arguments], prog_name="hf-alibi")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m hf_alibi.serve MODEL [options]``: MODEL first, then ``transformers serve``'s own options."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-"):
-        print("hf-alibi: error: serve needs MODEL first (a converted folder or Hub id), then `transformers serve`'s "
-              "options", file=sys.stderr)  # fmt: skip
-        sys.exit(2)
-    try:
-        serve(argv[0], argv[1:])
-    except CheckpointError as error:
-        print(f"hf-alibi: error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -111,7 +111,7 @@ def ask_streaming(port: int, folder, question: str) -> str:
 
 def start(folder, *options: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    command = [sys.executable, "-m", "hf_alibi.serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "hf_alibi", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", *options]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
