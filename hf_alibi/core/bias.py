@@ -93,6 +93,8 @@ class AlibiBias(nn.Module):
             left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value, **sinks)
         if self.kind == CAUSAL and q_len == 1 and not self.sinks:  # a decoding step: every key is in the past
+            if not is_exporting():
+                return self.masks.decoding_row(self.slope_values, kv_len, device)
             distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
             return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value, **sinks)
@@ -106,6 +108,8 @@ class AlibiBias(nn.Module):
         if value not in PATHS:
             raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
         self._path = value
+        # what layers that may share a merged mask have in common (mask.MaskCache); the learned form shares none
+        self.sharing = None if self.kind == LEARNED else (self.kind, self.slope_values, value)
 
     def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned form's (left, right) slopes, fp32 and negative, with their gradients."""

@@ -8,6 +8,8 @@ mask interfaces' ``register``, ``PreTrainedModel``, the Auto classes) are import
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import PretrainedConfig
 
@@ -74,7 +76,9 @@ class AttnImplementationOverride:
 
     @property
     def _attn_implementation(self):
-        return self.reported_attn_implementation(stored_attn_implementation(self))
+        # read by every attention layer at every step: the stored value read here directly, and the method found on
+        # the class (a config's own attribute lookup is Python code in transformers)
+        return type(self).reported_attn_implementation(self, self._attn_implementation_internal)
 
     @_attn_implementation.setter
     def _attn_implementation(self, value):
@@ -192,9 +196,9 @@ def zeros_unless_loaded(tensor: torch.Tensor) -> torch.Tensor:
     return initialization.zeros_(tensor)
 
 
-def is_exporting() -> bool:
-    """True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3)."""
-    return torch.compiler.is_compiling()
+# True while ``torch.export`` / dynamo traces (``torch.compiler.is_compiling``, public since torch 2.3). The function
+# itself, not a wrapper: it is asked in the hot loop of generation, and dynamo answers it while it traces.
+is_exporting = torch.compiler.is_compiling
 
 
 # transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
@@ -206,9 +210,16 @@ def is_exporting() -> bool:
 
 def is_paged_cache(cache) -> bool:
     """Whether ``cache`` is continuous batching's ``PagedAttentionCache`` (public name, checked on 5.24.0)."""
+    return isinstance(cache, _paged_cache_class())
+
+
+@functools.cache
+def _paged_cache_class() -> type:
+    # imported on first use (continuous batching's module is not needed to convert a model), then kept: this runs
+    # before every forward
     from transformers.generation.continuous_batching import PagedAttentionCache
 
-    return isinstance(cache, PagedAttentionCache)
+    return PagedAttentionCache
 
 
 def paged_layer_window(cache, layer_idx: int) -> int | None:

@@ -26,6 +26,17 @@ from .compat import (
 from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, alibi_name, base_name, check_backend
 from .settings import AlibiSettings
 
+
+def _reported_name(stored: str | dict | None) -> str | dict | None:
+    # the name transformers dispatches on for a stored one: alibi_<backend>, or the refusal of a foreign name
+    if isinstance(stored, str) and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
+        return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
+    return alibi_name(base_name(stored))
+
+
+# stored name -> reported name (a pure function of the name, kept: a dict read instead of four calls)
+_REPORTED: dict[str, str] = {}
+
 MODEL_TYPE_PREFIX = "alibi_"
 # Written in config.json in place of the sizes of the removed position path (GPT-2's n_positions,
 # T5's relative_attention_num_buckets, ...), followed by how to load the checkpoint. The original
@@ -131,9 +142,12 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
-        if isinstance(stored, str) and base_name(stored) not in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
-            return alibi_name(FOREIGN)  # written past the setter: dispatched to a refusal that names it
-        return alibi_name(base_name(stored))
+        reported = _REPORTED.get(stored) if isinstance(stored, str) else None  # every layer reads it at every step
+        if reported is None:
+            reported = _reported_name(stored)
+            if isinstance(stored, str):
+                _REPORTED[stored] = reported
+        return reported
 
     def accepted_attn_implementation(self, value):
         if isinstance(value, dict):

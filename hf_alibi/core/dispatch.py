@@ -95,50 +95,75 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs,
     ):
-        alibi: AlibiBias | None = getattr(module, "alibi", None)
+        # the hot loop of generation runs this once per layer and token: the common case comes first, in few steps
+        alibi: AlibiBias | None = module._modules.get("alibi")  # the submodule (no nn.Module.__getattr__ call)
         if alibi is None:  # cross-attention: no position bias
             return backend(module, query, key, value, attention_mask, **kwargs)
-        alibi.check_heads(query)
-        paged = alibi.masks.paged()
-        if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
+        # a decoding step's layers after the first: the first one's choice (the bias path) and its mask
+        mask = alibi.masks.reuse(alibi, query, key.shape[2], attention_mask)
+        if mask is None:
+            return _choose_and_run(backend_name, backend, alibi, module, query, key, value, attention_mask, kwargs)
+        if alibi.last_path != BIAS:  # nn.Module's __setattr__ is slow: set only on a change
             alibi.last_path = BIAS
-            mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
-            return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
-        path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
-        alibi.last_path = path
-        if path == FOLDED:
-            attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
-            starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
-            run = partial(
-                folded_causal_attention, module, attention_mask=attention_mask,
-                slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
-                scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end,
-            )  # fmt: skip
-            return _flushed_kernel(run, query, key, value)
-        q_len = query.shape[2]
-        if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:
-            # transformers' sdpa gives no mask here only when top-left alignment is right (prefill
-            # into an empty static cache) and then cuts the keys to the queries: do the same.
-            key, value = key[:, :, :q_len], value[:, :, :q_len]
-        mask = bias_mask(alibi, query, key.shape[2], attention_mask)
-        return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
+        flush = query.shape[2] >= FLUSH_MIN_QUERIES  # not traced here (reuse answers nothing then)
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, flush)
 
     return alibi_attention_forward
 
 
-def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict):
-    # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now
+def _choose_and_run(
+    backend_name: str, backend: Callable, alibi: AlibiBias, module, query, key, value, attention_mask, kwargs: dict
+):
+    # the first layer of a forward (or every layer where nothing is shared): choose the path and run it
+    alibi.check_heads(query)
+    paged = alibi.masks.paged()
+    if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
+        alibi.last_path = BIAS
+        mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
+    path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
+    alibi.last_path = path
+    if path == FOLDED:
+        attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
+        starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
+        run = partial(
+            folded_causal_attention, module, attention_mask=attention_mask,
+            slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
+            scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end,
+        )  # fmt: skip
+        return _flushed_kernel(run, query, key, value)
+    q_len = query.shape[2]
+    if backend_name == "sdpa" and alibi.kind == CAUSAL and attention_mask is None and 1 < q_len < key.shape[2]:
+        # transformers' sdpa gives no mask here only when top-left alignment is right (prefill into an empty
+        # static cache) and then cuts the keys to the queries: do the same.
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    mask = bias_mask(alibi, query, key.shape[2], attention_mask)
+    return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
+
+
+def _with_bias_mask(
+    backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool | None = None
+):
+    # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now.
+    # ``flush``: whether to flush (None: as _flushes says)
     kwargs.pop("is_causal", None)
     kwargs.pop("position_bias", None)
+    if not (_flushes(query) if flush is None else flush):  # decoding steps: called directly, the fewest steps
+        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
     run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
     return _flushed_kernel(run, query, key, value)
 
 
+def _flushes(query: torch.Tensor) -> bool:
+    # flush-to-zero on the CPU kernel (denormals.py): ALiBi's far keys would otherwise make it compute subnormal
+    # weights, which many CPUs do in microcode. Not for decoding steps and small chunks, where the flush's set and
+    # restore cost more than the subnormals (docs/performance.md), nor while traced (no guard on the query count)
+    return not is_exporting() and query.shape[2] >= FLUSH_MIN_QUERIES
+
+
 def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    # the kernel, forward and backward, with flush-to-zero on the CPU (denormals.py): ALiBi's far keys would
-    # otherwise make it compute subnormal weights, which many CPUs do in microcode. Not for decoding steps and
-    # small chunks: there the flush's set and restore cost more than the subnormals (docs/performance.md)
-    if is_exporting() or query.shape[2] < FLUSH_MIN_QUERIES:  # tracing first: no guard on the query count
+    # the kernel, forward and backward, flushed where _flushes says so
+    if not _flushes(query):
         return run(query, key, value)
     query, key, value, close = bracket(query, key, value)
     with flushed(query):

@@ -68,11 +68,13 @@ class MaskCache:
     Copies (``copy.deepcopy``, pickling) start empty.
     """
 
+    DECODING_ROW = 1024  # the first decoding row's keys (then doubled as needed)
     MAX_ENTRIES = 4  # per thread and forward: transformers makes one mask per layer kind (full, sliding, chunked)
 
     def __init__(self):
-        # thread id -> [(key, transformers' mask it was made from, merged mask), ...], newest last
-        self._entries: dict[int, list[tuple]] = {}
+        # thread id -> {(key, id of transformers' mask it was made from): (that mask, merged mask)}, newest last;
+        # the entry holds the mask it was made from, so its id cannot be reused while the entry lives
+        self._entries: dict[int, dict[tuple, tuple]] = {}
         # thread id -> (row starts (B,) or None, the sequence's end or None): set per forward for sinks
         self._rows: dict[int, tuple] = {}
         # thread id -> each token's document start (B|1, L) in a packed row: set per forward (packing.py)
@@ -80,6 +82,9 @@ class MaskCache:
         self._traced_documents: torch.Tensor | None = None  # the same while torch.compile / export traces
         # thread id -> the continuous-batching layout of this forward (batching.PagedBatch): set per forward
         self._paged: dict[int, object] = {}
+        # (slopes, device) -> the causal bias of one query over the latest keys, fp32 (1, H, 1, n): decoding steps
+        # read its last kv_len keys (a view), n grows by doubling; shared by every thread, replaced whole
+        self._decoding_rows: dict[tuple, torch.Tensor] = {}
         self.builds = 0  # how many masks were built (tests count them)
 
     def __deepcopy__(self, memo) -> MaskCache:
@@ -95,15 +100,25 @@ class MaskCache:
     def merged(self) -> torch.Tensor | None:
         """The calling thread's current merged mask, if any."""
         entries = self._entries.get(threading.get_ident())
-        return entries[-1][2] if entries else None
+        return next(reversed(entries.values()))[1] if entries else None
 
     def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The merged mask (bias + transformers' mask + the packed row's documents) for this layer's call."""
-        dtype, device, q_len = query.dtype, query.device, query.shape[2]
-        # inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call
-        # the slopes too: layers share a mask only where they share slopes (per-layer slopes build one each)
-        key = (alibi.kind, alibi.slope_values, q_len, kv_len, device, dtype, torch.is_inference_mode_enabled())
-        return self._cached(key, attention_mask, lambda: _merged(alibi, query, kv_len, attention_mask))
+        build = lambda: _merged(alibi, query, kv_len, attention_mask)  # noqa: E731
+        return self._cached(_key(alibi, query, kv_len), attention_mask, build)
+
+    def reuse(self, alibi, query: torch.Tensor, kv_len: int, attention_mask) -> torch.Tensor | None:
+        """The merged mask an earlier layer of this forward made for a call like this one (the same bias, path
+        setting, shapes and transformers' mask), else ``None``. Only the bias path stores one here, so a hit means
+        that layer chose it, and this one would too (decoding steps: the layers after the first run without
+        choosing again). Never while traced (nothing is stored then, and dynamo cannot trace ``threading``)."""
+        if alibi.sharing is None or is_exporting():
+            return None
+        entries = self._entries.get(threading.get_ident())
+        if not entries:
+            return None
+        hit = entries.get((_key(alibi, query, kv_len), id(attention_mask)))
+        return None if hit is None else hit[1]
 
     def packed(self, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The causal mask of the recorded packed row, with transformers' mask (the fold's mask there)."""
@@ -116,15 +131,33 @@ class MaskCache:
 
     def _cached(self, key: tuple, attention_mask, build) -> torch.Tensor:
         thread = threading.get_ident()
-        entries = self._entries.get(thread, [])
-        for entry in entries:
-            if entry[0] == key and entry[1] is attention_mask:
-                return entry[2]
+        entries = self._entries.get(thread)
+        if entries is None:
+            entries = self._entries[thread] = {}  # only this thread touches its entries
+        entry_key = (key, id(attention_mask))
+        hit = entries.get(entry_key)
+        if hit is not None:
+            return hit[1]
         merged = build()
         self.builds += 1
-        # a new list, assigned whole: another thread reading this one's entries never sees it half-made
-        self._entries[thread] = [*entries[-(self.MAX_ENTRIES - 1) :], (key, attention_mask, merged)]
+        if len(entries) >= self.MAX_ENTRIES:
+            del entries[next(iter(entries))]  # the oldest
+        entries[entry_key] = (attention_mask, merged)
         return merged
+
+    def decoding_row(self, slopes: tuple[float, ...], kv_len: int, device: torch.device) -> torch.Tensor:
+        """A decoding step's causal bias ``-m_h (kv_len - 1 - j)``, fp32 ``(1, H, 1, kv_len)``: the last
+        ``kv_len`` keys of one row kept per slopes and device (a view: no arange and multiply per step). The
+        same values as computing it anew: the distances are exact integers in fp32, and so is their negation."""
+        row = self._decoding_rows.get((slopes, device))
+        if row is None or row.shape[-1] < kv_len:
+            size = max(kv_len, 2 * row.shape[-1] if row is not None else self.DECODING_ROW)
+            with torch.inference_mode(False):  # an inference tensor could not be saved for a later grad-mode backward
+                distance = torch.arange(size - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
+                row = torch.tensor(slopes, dtype=torch.float32, device=device)[:, None] * -distance
+                row = row.view(1, len(slopes), 1, size)
+            self._decoding_rows[(slopes, device)] = row
+        return row[..., row.shape[-1] - kv_len :]
 
     def set_rows(self, starts: torch.Tensor | None, end: int | None) -> None:
         """Where each row's real tokens start (``(B,)``, ``None``: 0) and the sequence's end position
@@ -181,6 +214,13 @@ class MaskCache:
         self._rows.pop(threading.get_ident(), None)
         self._documents.pop(threading.get_ident(), None)
         self._paged.pop(threading.get_ident(), None)
+
+
+def _key(alibi, query: torch.Tensor, kv_len: int) -> tuple:
+    # What a merged mask depends on besides transformers' mask: layers share one where they share the form, slopes
+    # and path setting (``alibi.sharing``; a layer forced elsewhere chooses on its own) and the query's shape, device
+    # and dtype. Inference-mode tensors cannot be saved for backward: never hand one to a grad-mode call.
+    return (alibi.sharing, query.shape, kv_len, query.device, query.dtype, torch.is_inference_mode_enabled())
 
 
 def _merged(alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -120,7 +120,7 @@ def check_sinks_fit(config: PretrainedConfig, settings: AlibiSettings) -> None:
         )
 
 
-_FORWARD_SIGNATURES: dict[type, inspect.Signature] = {}
+_POSITIONAL_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _all_layers_slide(config) -> bool:
@@ -207,21 +207,26 @@ def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs:
     # follow them) and the ids are kept (a retained table or rotary reads positions inside each document). And a
     # continuous-batching step (a paged cache) keeps them: they place each token in its request (batching.py), and
     # the model would otherwise ask the paged cache for a length it does not have.
+    # This runs before every forward, decoding steps included: the arguments are bound once, without inspect.
     position_ids = kwargs.get("position_ids")
-    starts = None
-    if not is_exporting():
-        batch = paged_batch(cache_argument(_bound_arguments(module, args, kwargs)), kwargs)
+    tracing = is_exporting()
+    if tracing and position_ids is None:
+        masks.set_documents(None)
+        return args, kwargs
+    values = _bound_arguments(module, args, kwargs)
+    cache = cache_argument(values)
+    if not tracing:
+        batch = paged_batch(cache, kwargs)
         masks.set_paged(batch)
         if batch is not None:
             masks.set_documents(None)
             return args, kwargs
+    starts = None
     if position_ids is not None:
-        values = _bound_arguments(module, args, kwargs)
-        cache = cache_argument(values)
         fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
         if values.get("attention_mask") is None and fresh:
             starts = document_starts(position_ids)
-            if not is_exporting() and not is_packed(starts):
+            if not tracing and not is_packed(starts):
                 starts = None
         if starts is None:
             kwargs["position_ids"] = None
@@ -230,16 +235,24 @@ def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs:
 
 
 def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
-    # The forward's arguments by name, those passed by position included (bound to the forward's signature).
+    # The forward's arguments by name, those passed by position included (named by the forward's signature,
+    # read once per class: binding with inspect on every forward cost more than a decoding step's attention).
     if not args:
         return kwargs
-    signature = _FORWARD_SIGNATURES.get(type(module))
-    if signature is None:
-        signature = _FORWARD_SIGNATURES[type(module)] = inspect.signature(type(module).forward)
-    try:
-        return {**signature.bind_partial(module, *args, **kwargs).arguments, **kwargs}
-    except TypeError:
-        return kwargs
+    names = _POSITIONAL_NAMES.get(type(module))
+    if names is None:
+        names = _POSITIONAL_NAMES[type(module)] = _positional_names(type(module).forward)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _positional_names(forward) -> tuple[str, ...]:
+    # the names that positional arguments after ``self`` take, up to a ``*args``
+    names = []
+    for parameter in list(inspect.signature(forward).parameters.values())[1:]:
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(parameter.name)
+    return tuple(names)
 
 
 @contextmanager
