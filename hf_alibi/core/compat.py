@@ -176,7 +176,11 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 def cache_argument(arguments: dict):
     """The KV cache among a forward's keyword ``arguments`` under any of its names, else ``None``."""
-    return next((arguments[name] for name in CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+    for name in CACHE_ARGUMENTS:  # a loop, not a generator: this runs before every forward
+        cache = arguments.get(name)
+        if cache is not None:
+            return cache
+    return None
 
 
 def torch_openmp_library() -> str | None:

@@ -26,11 +26,11 @@ from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .denormals import bracket, flushed
-from .eager import eager_attention_forward
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .mask import bias_mask, packed_causal_mask
+from .masked import eager_attention_forward, sdpa_attention_forward
 from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, alibi_name, check_backend
 from .slopes import CAUSAL
 
@@ -84,8 +84,9 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
     return BIAS
 
 
-def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
-    """Wrap a mask-taking backend (eager, sdpa) so that it applies the layer's ALiBi bias."""
+def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Callable) -> Callable:
+    """Wrap a mask-taking backend (eager, sdpa) so that it applies the layer's ALiBi bias: ``backend`` takes the
+    merged float mask; layers without ALiBi (cross-attention) run ``plain_backend`` with transformers' mask."""
 
     def alibi_attention_forward(
         module: nn.Module,
@@ -98,7 +99,7 @@ def make_alibi_attention(backend_name: str, backend: Callable) -> Callable:
         # the hot loop of generation runs this once per layer and token: the common case comes first, in few steps
         alibi: AlibiBias | None = module._modules.get("alibi")  # the submodule (no nn.Module.__getattr__ call)
         if alibi is None:  # cross-attention: no position bias
-            return backend(module, query, key, value, attention_mask, **kwargs)
+            return plain_backend(module, query, key, value, attention_mask, **kwargs)
         # a decoding step's layers after the first: the first one's choice (the bias path) and its mask
         mask = alibi.masks.reuse(alibi, query, key.shape[2], attention_mask)
         if mask is None:
@@ -122,7 +123,8 @@ def _choose_and_run(
         mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
         return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
     path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
-    alibi.last_path = path
+    if alibi.last_path != path:  # nn.Module's __setattr__ is slow: set only on a change
+        alibi.last_path = path
     if path == FOLDED:
         attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
         starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
@@ -212,9 +214,12 @@ def _unsupported_backend(name: str) -> Callable:
     return forward
 
 
-# backend name -> attention function that receives the merged float mask (bias + padding + causality);
-# sdpa is transformers' own function, found under its public name
-BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
+# backend name -> attention function that receives the merged float mask (bias + padding + causality), masked.py
+BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward}
+# what layers without ALiBi (cross-attention) run, with transformers' own mask: transformers' sdpa under its public
+# name; for eager transformers shares no function (each model has its own), and masked.py's adds the additive float
+# mask transformers makes for eager as the models' own functions do
+PLAIN_BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
 # backends that apply the bias themselves, from the slopes (no bias tensor)
 NATIVE_BACKENDS: dict[str, Callable] = {
     "flex_attention": flex_alibi_attention,
@@ -230,7 +235,7 @@ if set(BACKENDS) | set(NATIVE_BACKENDS) != set(RUNNING_BACKENDS):  # names.py is
 def register_backends() -> None:
     """Add ``alibi_<backend>`` to transformers' attention and mask interfaces (idempotent)."""
     for name, attention in BACKENDS.items():
-        AttentionInterface.register(alibi_name(name), make_alibi_attention(name, attention))
+        AttentionInterface.register(alibi_name(name), make_alibi_attention(name, attention, PLAIN_BACKENDS[name]))
         AttentionMaskInterface.register(alibi_name(name), base_mask_function(name))
     for name, attention in NATIVE_BACKENDS.items():
         AttentionInterface.register(alibi_name(name), make_native_attention(attention, name))

@@ -209,6 +209,51 @@ def test_half_precision_at_16k_tokens_does_not_overflow(kind, dtype):
     assert (out - ref).abs().max() <= limit * ref.abs().max()
 
 
+def test_decoding_steps_past_the_kept_row_match_reference():
+    # a decoding step's bias is a view of one row per slopes and device (MaskCache.decoding_row), 1024 keys at
+    # first and grown as needed: steps past it, back below it, under inference mode and then with gradients
+    layer = Layer("causal")
+    scaling = D**-0.5
+    for kv_len, dtype, inference in [(3000, torch.float32, True), (5, torch.float32, False),
+                                     (2100, torch.bfloat16, False), (6500, torch.float32, False)]:  # fmt: skip
+        q, k, v, key_real = make_inputs(1, kv_len, dtype, pad=False, seed=kv_len)
+        with torch.inference_mode(inference):
+            out = run("sdpa", layer, q, k, v, None, scaling)
+        layer.alibi.masks.release()  # a model's forward hook does this after each forward
+        assert layer.alibi.last_path == BIAS
+        bias = reference_bias("causal", 1, kv_len, None)
+        ref = reference_output(q.detach(), k.detach(), v.detach(), bias, scaling, key_real)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2 * ref.abs().max().item()
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+        if not inference:  # the kept row was made outside inference mode: it can be saved for backward
+            out.float().sum().backward()
+            assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_kv_heads_match_reference(backend, q_len):
+    # two query heads per KV head: one decoding query packs each group's heads as its queries (sdpa), a chunk
+    # repeats the KV heads; the reference repeats them by hand
+    kv_len, scaling = 40, D**-0.5
+    q, k, v, key_real = make_inputs(q_len, kv_len, torch.float32, pad=True)
+    k_grouped, v_grouped = k.detach()[:, ::2].requires_grad_(), v.detach()[:, ::2].requires_grad_()
+    mask = transformers_mask("causal", q_len, kv_len, key_real, backend, True, torch.float32)
+    out = run(backend, Layer("causal"), q, k_grouped, v_grouped, mask, scaling)
+    repeat = lambda t: t.detach().double().repeat_interleave(2, dim=1)  # noqa: E731  (head h reads KV head h // 2)
+    bias = reference_bias("causal", q_len, kv_len, None)
+    ref = reference_output(q.detach(), repeat(k_grouped), repeat(v_grouped), bias, scaling, key_real)
+    rows = real_rows(q_len, kv_len, key_real)
+    torch.testing.assert_close(out.double()[rows], ref[rows], rtol=0, atol=1e-4)
+
+
+def test_sdpa_refuses_a_soft_cap():
+    q, k, v, _ = make_inputs(4, 4, torch.float32, pad=False)
+    layer = Layer("causal", path=BIAS)
+    with pytest.raises(ValueError, match="sdpa cannot soft-cap"):
+        ALL_ATTENTION_FUNCTIONS["alibi_sdpa"](layer, q, k, v, None, scaling=0.25, softcap=30.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The automatic choice, asserted on the path taken.
 
@@ -289,6 +334,20 @@ def test_bidirectional_bias_is_built_once_and_broadcast(kind):
     assert shared.builds == before + 3
     shared.release()
     assert shared.merged is None
+
+
+def test_a_layer_set_apart_chooses_on_its_own():
+    # layers after the first of a forward reuse its bias-path mask without choosing again, but only layers with
+    # the same path setting: one forced to the fold still folds, and each matches the reference
+    shared = MaskCache()
+    layers = [Layer("causal", path=p, masks=shared) for p in (BIAS, FOLDED, "auto", BIAS)]
+    q, k, v, key_real = make_inputs(1, 50, torch.float32, pad=False)
+    ref = reference_output(q.detach(), k.detach(), v.detach(), reference_bias("causal", 1, 50, None), 0.25, key_real)
+    for layer in layers:
+        out = run("sdpa", layer, q.detach(), k.detach(), v.detach(), None, 0.25)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
+    assert [layer.alibi.last_path for layer in layers] == [BIAS, FOLDED, BIAS, BIAS]
+    assert shared.builds == 2  # the "bias" layers share one mask, the "auto" layer builds its own
 
 
 def test_learned_slopes_are_never_shared():
