@@ -214,7 +214,14 @@ is_exporting = torch.compiler.is_compiling
 
 def is_paged_cache(cache) -> bool:
     """Whether ``cache`` is continuous batching's ``PagedAttentionCache`` (public name, checked on 5.24.0)."""
-    return isinstance(cache, _paged_cache_class())
+    kind = type(cache)
+    paged = _PAGED_TYPES.get(kind)  # asked before every forward: the answer kept per type (an ABC check is slow)
+    if paged is None:
+        paged = _PAGED_TYPES[kind] = issubclass(kind, _paged_cache_class())
+    return paged
+
+
+_PAGED_TYPES: dict[type, bool] = {}
 
 
 @functools.cache

@@ -210,10 +210,9 @@ class MaskCache:
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
             self._traced_documents = None
             return
-        self._entries.pop(threading.get_ident(), None)
-        self._rows.pop(threading.get_ident(), None)
-        self._documents.pop(threading.get_ident(), None)
-        self._paged.pop(threading.get_ident(), None)
+        thread = threading.get_ident()
+        for table in (self._entries, self._rows, self._documents, self._paged):
+            table.pop(thread, None)
 
 
 def _key(alibi, query: torch.Tensor, kv_len: int) -> tuple:

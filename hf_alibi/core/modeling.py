@@ -223,11 +223,12 @@ def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs:
             return args, kwargs
     starts = None
     if position_ids is not None:
-        fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
-        if values.get("attention_mask") is None and fresh:
-            starts = document_starts(position_ids)
-            if not tracing and not is_packed(starts):
-                starts = None
+        if tracing or position_ids.shape[-1] > 1:  # one token a row (a decoding step) is never a packed row
+            fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
+            if values.get("attention_mask") is None and fresh:
+                starts = document_starts(position_ids)
+                if not tracing and not is_packed(starts):
+                    starts = None
         if starts is None:
             kwargs["position_ids"] = None
     masks.set_documents(starts)
