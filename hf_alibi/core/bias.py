@@ -92,11 +92,8 @@ class AlibiBias(nn.Module):
         if self.kind == LEARNED:
             left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value, **sinks)
-        if self.kind == CAUSAL and q_len == 1 and not self.sinks:  # a decoding step: every key is in the past
-            if not is_exporting():
-                return self.masks.decoding_row(self.slope_values, kv_len, device)
-            distance = torch.arange(kv_len - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
-            return (self.fixed_slopes(device)[:, None] * -distance).view(1, self.num_heads, 1, kv_len)
+        if self.kind == CAUSAL and q_len == 1 and not self.sinks and not is_exporting():  # a decoding step
+            return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value, **sinks)
 
     @property

@@ -121,7 +121,7 @@ def _choose_and_run(
     if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
         alibi.last_path = BIAS
         mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
-        return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
     path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
     if alibi.last_path != path:  # nn.Module's __setattr__ is slow: set only on a change
         alibi.last_path = path
@@ -140,17 +140,15 @@ def _choose_and_run(
         # static cache) and then cuts the keys to the queries: do the same.
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     mask = bias_mask(alibi, query, key.shape[2], attention_mask)
-    return _with_bias_mask(backend, module, query, key, value, mask, kwargs)
+    return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
 
 
-def _with_bias_mask(
-    backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool | None = None
-):
+def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool):
     # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now.
-    # ``flush``: whether to flush (None: as _flushes says)
+    # ``flush``: what _flushes says of this call (the decoding fast path knows it without asking)
     kwargs.pop("is_causal", None)
     kwargs.pop("position_bias", None)
-    if not (_flushes(query) if flush is None else flush):  # decoding steps: called directly, the fewest steps
+    if not flush:  # decoding steps: called directly, the fewest steps
         return backend(module, query, key, value, mask, is_causal=False, **kwargs)
     run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
     return _flushed_kernel(run, query, key, value)

@@ -8,7 +8,7 @@ import torch
 
 from .compat import is_exporting
 from .packing import same_document
-from .slopes import LEARNED
+from .slopes import CAUSAL, LEARNED, alibi_bias
 
 
 def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -145,18 +145,16 @@ class MaskCache:
         entries[entry_key] = (attention_mask, merged)
         return merged
 
-    def decoding_row(self, slopes: tuple[float, ...], kv_len: int, device: torch.device) -> torch.Tensor:
-        """A decoding step's causal bias ``-m_h (kv_len - 1 - j)``, fp32 ``(1, H, 1, kv_len)``: the last
-        ``kv_len`` keys of one row kept per slopes and device (a view: no arange and multiply per step). The
-        same values as computing it anew: the distances are exact integers in fp32, and so is their negation."""
-        row = self._decoding_rows.get((slopes, device))
+    def decoding_row(self, alibi, kv_len: int, device: torch.device) -> torch.Tensor:
+        """A decoding step's causal bias (``alibi``'s fixed slopes), fp32 ``(1, H, 1, kv_len)``: the last ``kv_len``
+        keys of one row kept per slopes and device, a view (no bias built per step). The row is
+        :func:`slopes.alibi_bias` for one query over its keys; its last ``kv_len`` are the same values."""
+        row = self._decoding_rows.get((alibi.slope_values, device))
         if row is None or row.shape[-1] < kv_len:
             size = max(kv_len, 2 * row.shape[-1] if row is not None else self.DECODING_ROW)
             with torch.inference_mode(False):  # an inference tensor could not be saved for a later grad-mode backward
-                distance = torch.arange(size - 1, -1, -1, device=device, dtype=torch.float32)  # i - j
-                row = torch.tensor(slopes, dtype=torch.float32, device=device)[:, None] * -distance
-                row = row.view(1, len(slopes), 1, size)
-            self._decoding_rows[(slopes, device)] = row
+                row = alibi_bias(CAUSAL, 1, size, alibi.fixed_slopes(device))
+            self._decoding_rows[(alibi.slope_values, device)] = row
         return row[..., row.shape[-1] - kv_len :]
 
     def set_rows(self, starts: torch.Tensor | None, end: int | None) -> None:
