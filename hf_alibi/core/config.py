@@ -142,11 +142,11 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
-        reported = _REPORTED.get(stored) if isinstance(stored, str) else None  # every layer reads it at every step
+        if not isinstance(stored, str):
+            return _reported_name(stored)
+        reported = _REPORTED.get(stored)  # every layer reads it at every step
         if reported is None:
-            reported = _reported_name(stored)
-            if isinstance(stored, str):
-                _REPORTED[stored] = reported
+            reported = _REPORTED[stored] = _reported_name(stored)
         return reported
 
     def accepted_attn_implementation(self, value):
