@@ -87,13 +87,13 @@ class AlibiBias(nn.Module):
     def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
         """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``
         (``(B, H, q, kv)`` with sinks on left-padded rows)."""
+        if self.kind == CAUSAL and q_len == 1 and not self.sinks and not is_exporting():  # a decoding step
+            return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         starts, end = self.masks.rows() if self.sinks else (None, None)
         sinks = dict(sinks=self.sinks, starts=starts, end=end)
         if self.kind == LEARNED:
             left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value, **sinks)
-        if self.kind == CAUSAL and q_len == 1 and not self.sinks and not is_exporting():  # a decoding step
-            return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value, **sinks)
 
     @property

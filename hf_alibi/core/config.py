@@ -144,10 +144,17 @@ class AlibiConfigMixin(AttnImplementationOverride):
     def reported_attn_implementation(self, stored):
         if not isinstance(stored, str):
             return _reported_name(stored)
-        reported = _REPORTED.get(stored)  # every layer reads it at every step
+        reported = _REPORTED.get(stored)
         if reported is None:
             reported = _REPORTED[stored] = _reported_name(stored)
         return reported
+
+    @AttnImplementationOverride._attn_implementation.getter
+    def _attn_implementation(self):
+        # every attention layer reads it at every step: a name seen before is answered from the memo in this one call
+        stored = self._attn_implementation_internal
+        reported = _REPORTED.get(stored) if type(stored) is str else None
+        return reported if reported is not None else self.reported_attn_implementation(stored)
 
     def accepted_attn_implementation(self, value):
         if isinstance(value, dict):

@@ -42,6 +42,18 @@ FOLD_MIN_QUERIES = 32
 FLUSH_MIN_QUERIES = 32
 # Forces a path for every AlibiBias whose own ``path`` is left at "auto" (e.g. HF_ALIBI_PATH=bias).
 PATH_ENV = "HF_ALIBI_PATH"
+# read once per forward: CPython's os.environ keeps its values in a dict of encoded keys, where a lookup is one step;
+# os.environ.get raises and catches a KeyError when the variable is unset (the usual case), and costs ~10x more
+_ENVIRON = getattr(os.environ, "_data", None)
+_PATH_ENV_KEY = os.environ.encodekey(PATH_ENV) if _ENVIRON is not None else None
+
+
+def path_setting() -> str:
+    """``HF_ALIBI_PATH`` as set now (``"auto"`` if unset or empty)."""
+    if _ENVIRON is None:  # not CPython's os.environ
+        return os.environ.get(PATH_ENV) or AUTO
+    value = _ENVIRON.get(_PATH_ENV_KEY)
+    return os.environ.decodevalue(value) or AUTO if value is not None else AUTO
 
 
 def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict) -> str:
@@ -63,7 +75,7 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
     """
     wanted = alibi.path
     if wanted == AUTO:
-        wanted = os.environ.get(PATH_ENV, AUTO) or AUTO
+        wanted = path_setting()
         if wanted not in PATHS:
             raise ValueError(f"{PATH_ENV}={wanted!r}; expected one of {PATHS}.")
     if wanted == BIAS:
@@ -106,8 +118,9 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
             return _choose_and_run(backend_name, backend, alibi, module, query, key, value, attention_mask, kwargs)
         if alibi.last_path != BIAS:  # nn.Module's __setattr__ is slow: set only on a change
             alibi.last_path = BIAS
-        flush = query.shape[2] >= FLUSH_MIN_QUERIES  # not traced here (reuse answers nothing then)
-        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, flush)
+        if query.shape[2] < FLUSH_MIN_QUERIES:  # what _flushes says (not traced here: reuse answers nothing then)
+            return backend(module, query, key, value, mask, **kwargs)  # a decoding step: called directly
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, True)
 
     return alibi_attention_forward
 
@@ -144,13 +157,11 @@ def _choose_and_run(
 
 
 def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool):
-    # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now.
-    # ``flush``: what _flushes says of this call (the decoding fast path knows it without asking)
-    kwargs.pop("is_causal", None)
-    kwargs.pop("position_bias", None)
-    if not flush:  # decoding steps: called directly, the fewest steps
-        return backend(module, query, key, value, mask, is_causal=False, **kwargs)
-    run = partial(backend, module, attention_mask=mask, is_causal=False, **kwargs)
+    # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now (the
+    # backends take none of transformers' is_causal or position_bias). ``flush``: what _flushes says of this call
+    if not flush:
+        return backend(module, query, key, value, mask, **kwargs)
+    run = partial(backend, module, attention_mask=mask, **kwargs)
     return _flushed_kernel(run, query, key, value)
 
 
@@ -158,7 +169,7 @@ def _flushes(query: torch.Tensor) -> bool:
     # flush-to-zero on the CPU kernel (denormals.py): ALiBi's far keys would otherwise make it compute subnormal
     # weights, which many CPUs do in microcode. Not for decoding steps and small chunks, where the flush's set and
     # restore cost more than the subnormals (docs/performance.md), nor while traced (no guard on the query count)
-    return not is_exporting() and query.shape[2] >= FLUSH_MIN_QUERIES
+    return not is_exporting() and query.shape[2] >= FLUSH_MIN_QUERIES  # in this order: no guard on the length
 
 
 def _flushed_kernel(run: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):

@@ -26,7 +26,7 @@ def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None,
         merged = torch.where(attention_mask, bias, masked_value)
     else:
         merged = (bias + attention_mask.float()).clamp_min(masked_value)
-    return merged.to(dtype)
+    return merged if merged.dtype == dtype else merged.to(dtype)  # the no-op .to is a call a decoding step skips
 
 
 def separate_documents(
@@ -104,8 +104,7 @@ class MaskCache:
 
     def get(self, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The merged mask (bias + transformers' mask + the packed row's documents) for this layer's call."""
-        build = lambda: _merged(alibi, query, kv_len, attention_mask)  # noqa: E731
-        return self._cached(_key(alibi, query, kv_len), attention_mask, build)
+        return self._cached(_key(alibi, query, kv_len), attention_mask, _merged, alibi, query, kv_len, attention_mask)
 
     def reuse(self, alibi, query: torch.Tensor, kv_len: int, attention_mask) -> torch.Tensor | None:
         """The merged mask an earlier layer of this forward made for a call like this one (the same bias, path
@@ -117,7 +116,9 @@ class MaskCache:
         entries = self._entries.get(threading.get_ident())
         if not entries:
             return None
-        hit = entries.get((_key(alibi, query, kv_len), id(attention_mask)))
+        # _key written out: this runs in every layer of every decoding step, where a call costs more than the lookup
+        key = (alibi.sharing, query.shape, kv_len, query.device, query.dtype, torch.is_inference_mode_enabled())
+        hit = entries.get((key, id(attention_mask)))
         return None if hit is None else hit[1]
 
     def packed(self, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -125,11 +126,11 @@ class MaskCache:
         key = ("documents", query.shape[2], kv_len, query.device, query.dtype, torch.is_inference_mode_enabled())
         starts = self.documents()
         return self._cached(
-            key, attention_mask,
-            lambda: separate_documents(attention_mask, starts, query.shape[2], kv_len, True, query.dtype),
-        )  # fmt: skip
+            key, attention_mask, separate_documents, attention_mask, starts, query.shape[2], kv_len, True, query.dtype
+        )
 
-    def _cached(self, key: tuple, attention_mask, build) -> torch.Tensor:
+    def _cached(self, key: tuple, attention_mask, build, *args) -> torch.Tensor:
+        # the calling thread's entry for (key, transformers' mask), else build(*args) stored there
         thread = threading.get_ident()
         entries = self._entries.get(thread)
         if entries is None:
@@ -138,7 +139,7 @@ class MaskCache:
         hit = entries.get(entry_key)
         if hit is not None:
             return hit[1]
-        merged = build()
+        merged = build(*args)
         self.builds += 1
         if len(entries) >= self.MAX_ENTRIES:
             del entries[next(iter(entries))]  # the oldest
@@ -191,6 +192,16 @@ class MaskCache:
             self._paged.pop(threading.get_ident(), None)
         else:
             self._paged[threading.get_ident()] = batch
+
+    def begin(self, documents: torch.Tensor | None, batch) -> None:
+        """:meth:`set_documents` and :meth:`set_paged` at once, not traced (the conversion's pre-hook, before every
+        forward: one call)."""
+        thread = threading.get_ident()
+        for table, value in ((self._documents, documents), (self._paged, batch)):
+            if value is None:
+                table.pop(thread, None)
+            else:
+                table[thread] = value
 
     def paged(self):
         """What :meth:`set_paged` recorded for the calling thread's forward, else ``None``."""

@@ -70,16 +70,21 @@ def sdpa_attention_forward(
             "sdpa cannot soft-cap attention scores (this model sets attn_logit_softcapping): use "
             "model.set_attn_implementation('eager') or 'flex_attention'."
         )
-    batch, heads, q_len, _ = query.shape
+    heads = query.shape[1]
     groups = heads // key.shape[1]
-    if groups > 1:
-        if not is_exporting() and q_len == 1:  # traced: one graph for every query count
-            query = query.reshape(batch, heads // groups, groups, query.shape[-1])
-            attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
-        else:
-            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if groups == 1:  # one KV head per query head: the fewest steps (a decoding step runs this in every layer)
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+        )
+        return output.transpose(1, 2).contiguous(), None
+    batch, _, q_len, _ = query.shape
+    if not is_exporting() and q_len == 1:  # traced: one graph for every query count
+        query = query.reshape(batch, heads // groups, groups, query.shape[-1])
+        attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
+    else:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     output = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )
-    output = output.reshape(output.shape[0], heads, q_len, value.shape[-1])
+    output = output.reshape(batch, heads, q_len, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None

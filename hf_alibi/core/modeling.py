@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -21,7 +23,7 @@ from .names import check_backend
 from .packing import document_starts, is_packed
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
-from .strategies import STRATEGIES, RetainedTable, find_modules
+from .strategies import POSITION_READERS, STRATEGIES, RetainedTable, find_modules
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -57,13 +59,33 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     _alibi_sub_configs(model)
     if any(isinstance(m, RetainedTable) for m in base.modules()):
         _init_retained_tables(model)
-    # On the base model and on the model itself: some task heads run the base's inner stack directly
-    # (OPTForCausalLM calls model.decoder), so the base model's own forward never runs there.
-    for module in dict.fromkeys([base, model]):
-        module.register_forward_pre_hook(partial(_read_position_ids, masks), with_kwargs=True)
-        if settings.sinks:
-            module.register_forward_pre_hook(partial(_record_rows, masks), with_kwargs=True)
-        module.register_forward_hook(masks.release)  # the shared masks live for one forward only
+    # Around every forward (before_forward, then the masks released: they live for one forward only). The model's
+    # own class does it (alibi_model_class); the base model, when it is another module, in hooks: a task head may
+    # run the base's forward or its inner stack (OPTForCausalLM calls model.decoder), and a caller the base itself.
+    setup = ForwardSetup(masks, any(isinstance(m, POSITION_READERS) for m in base.modules()), settings.sinks)
+    model._alibi_forward = setup
+    if base is not model:
+        base.register_forward_pre_hook(partial(before_forward, setup), with_kwargs=True)
+        base.register_forward_hook(masks.release)
+
+
+@dataclass(frozen=True)
+class ForwardSetup:
+    """What a converted model's forward reads before it runs: the model's mask cache, whether anything in the
+    model reads position ids (a retained table or rotary, ``strategies.POSITION_READERS``), its sinks."""
+
+    masks: MaskCache
+    reads_positions: bool
+    sinks: int
+
+
+def before_forward(setup: ForwardSetup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Before a forward of a converted model (or its base): the position ids (:func:`_read_position_ids`) and,
+    with sinks, where each row starts (:func:`_record_rows`), recorded for this forward."""
+    args, kwargs = _read_position_ids(setup.masks, setup.reads_positions, module, args, kwargs)
+    if setup.sinks:
+        _record_rows(setup.masks, module, args, kwargs)
+    return args, kwargs
 
 
 def _init_retained_tables(model: PreTrainedModel) -> None:
@@ -200,38 +222,45 @@ def _alibi_sub_configs(model: PreTrainedModel) -> None:
         module.config = copies[id(old)]
 
 
-def _read_position_ids(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    # ALiBi has no position index, so position ids are dropped, with two exceptions: ids that restart at the
-    # row's first id, with no attention mask and no cache to continue, are a packed row (transformers'
-    # padding-free format). Its documents are recorded for this forward (every attention path keeps them apart, sinks
-    # follow them) and the ids are kept (a retained table or rotary reads positions inside each document). And a
-    # continuous-batching step (a paged cache) keeps them: they place each token in its request (batching.py), and
-    # the model would otherwise ask the paged cache for a length it does not have.
+def _read_position_ids(
+    masks: MaskCache, reads_positions: bool, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    # ALiBi has no position index, so position ids are dropped (the model counts positions from its cache, as
+    # without ids), with three exceptions: ids that restart at the row's first id, with no attention mask and no
+    # cache to continue, are a packed row (transformers' padding-free format). Its documents are recorded for this
+    # forward (every attention path keeps them apart, sinks follow them) and the ids are kept (a retained table or
+    # rotary reads positions inside each document). A continuous-batching step (a paged cache) keeps them: they
+    # place each token in its request (batching.py), and the model would otherwise ask the paged cache for a length
+    # it does not have. And one token a row (a decoding step) keeps them where nothing in the model reads positions
+    # (``reads_positions``: a retained table or rotary): they reach nothing then (transformers' packed-row
+    # detection needs more than one token), and dropped, the model would count them again at every step.
     # This runs before every forward, decoding steps included: the arguments are bound once, without inspect.
     position_ids = kwargs.get("position_ids")
     tracing = is_exporting()
     if tracing and position_ids is None:
         masks.set_documents(None)
         return args, kwargs
-    values = _bound_arguments(module, args, kwargs)
-    cache = cache_argument(values)
-    if not tracing:
-        batch = paged_batch(cache, kwargs)
-        masks.set_paged(batch)
-        if batch is not None:
-            masks.set_documents(None)
-            return args, kwargs
+    # the cache by name (how transformers passes it), else among the positional arguments
+    cache = cache_argument(kwargs)
+    if cache is None and args:
+        cache = cache_argument(_bound_arguments(module, args, kwargs))
+    batch = None if tracing else paged_batch(cache, kwargs)
     starts = None
-    if position_ids is not None:
+    if position_ids is not None and batch is None:
         if tracing or position_ids.shape[-1] > 1:  # one token a row (a decoding step) is never a packed row
             fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
-            if values.get("attention_mask") is None and fresh:
+            if _bound_arguments(module, args, kwargs).get("attention_mask") is None and fresh:
                 starts = document_starts(position_ids)
                 if not tracing and not is_packed(starts):
                     starts = None
-        if starts is None:
+            if starts is None:
+                kwargs["position_ids"] = None
+        elif reads_positions:
             kwargs["position_ids"] = None
-    masks.set_documents(starts)
+    if tracing:
+        masks.set_documents(starts)
+    else:
+        masks.begin(starts, batch)
     return args, kwargs
 
 
@@ -300,6 +329,18 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
                 check_backend(name)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
+    @functools.wraps(base_cls.forward)  # the original's signature (transformers and the Trainer inspect it)
+    def forward(self, *args, **kwargs):
+        # the conversion's bookkeeping around every forward (``apply``), in the class rather than a hook: PEFT's
+        # AdaLoRA calls ``model.forward`` directly, past any hook, and a hook sends each call down nn.Module's
+        # slower path
+        setup = self._alibi_forward
+        args, kwargs = before_forward(setup, self, args, kwargs)
+        try:
+            return super(cls, self).forward(*args, **kwargs)
+        finally:
+            setup.masks.release()  # also when the forward raised
+
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         # generate_batch, continuous_batching_context_manager and `transformers serve --continuous-batching` start
         # here: transformers' manager would refuse the alibi_<backend> name (or switch to flash); this one runs the
@@ -312,6 +353,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
         (*bases, base_cls),
         {
             "__init__": __init__,
+            "forward": forward,
             "set_attn_implementation": set_attn_implementation,
             "init_continuous_batching": init_continuous_batching,
             "config_class": config_cls,

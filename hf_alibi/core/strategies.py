@@ -337,6 +337,9 @@ def _default_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
 
 # name -> strategy(base model, the row's position paths, the AlibiSettings); a row names one.
 # hf_alibi.register_architecture(row, strategy=...) adds custom ones (not saved with checkpoints).
+# what reads position ids after a conversion (the model's own count, from its cache, unless hf_alibi keeps the ids)
+POSITION_READERS = (RetainedTable, RetainedRotary)
+
 STRATEGIES: dict[str, Callable[[nn.Module, tuple[str, ...], Any], None]] = {
     "absolute": absolute,
     "rotary": rotary,

@@ -1,5 +1,7 @@
 """Every registered architecture, one parametrized suite: numbers against tests/reference.py."""
 
+import copy
+
 import pytest
 import torch
 from arch_cases import CASE_IDS, CASES, MAX_LEN, VARIANT_IDS, VARIANT_PARAMS
@@ -55,6 +57,24 @@ def test_position_path_is_gone(case):
     inputs = case.inputs(1, 2 * MAX_LEN)
     shuffled = torch.randperm(2 * MAX_LEN, generator=torch.Generator().manual_seed(0))[None]
     torch.testing.assert_close(logits(model, inputs, position_ids=shuffled), logits(model, inputs), rtol=0, atol=0)
+
+
+DECODING_WITH_IDS = [case for case in DECODING if case.takes_position_ids]
+
+
+@pytest.mark.parametrize("preset", ["paper", "pretrained"])
+@pytest.mark.parametrize("case", DECODING_WITH_IDS, ids=[c.name for c in DECODING_WITH_IDS])
+def test_a_decoding_steps_position_ids_change_nothing(case, preset):
+    # one token a row keeps its ids where nothing reads them (the paper's conversion) and loses them where a
+    # retained table or rotary does (the pretrained preset): either way the step is the one without ids
+    model = hf_alibi.patch_model(case.make(), **({"preset": "pretrained"} if preset == "pretrained" else {}))
+    prompt = case.inputs(2, MAX_LEN)["input_ids"]
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+        step, other = prompt[:, -1:], copy.deepcopy(cache)  # sliding caches cannot be cropped back
+        far = model(input_ids=step, past_key_values=cache, position_ids=torch.tensor([[7], [100_000]])).logits
+        counted = model(input_ids=step, past_key_values=other).logits
+    torch.testing.assert_close(far, counted, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("case", "backend"), DECODING_BACKENDS, ids=[f"{c.name}-{b}" for c, b in DECODING_BACKENDS])

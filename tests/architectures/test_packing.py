@@ -148,3 +148,24 @@ def test_packed_row_with_a_cache_to_continue_is_not_packed():
         first = model(input_ids=ids[:, :10], use_cache=True)
         plain = model(input_ids=ids[:, 10:], past_key_values=first.past_key_values)
     torch.testing.assert_close(ignored.logits, plain.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tuner", ["lora", "adalora"])
+@pytest.mark.parametrize("name", ["opt", "gpt2", "llama"])
+def test_packed_rows_through_peft(name, tuner):
+    # packed rows through PEFT's tuners: LoRA calls the model, AdaLoRA its forward (self.model.forward, past
+    # nn.Module's hooks; OPT's head then runs its inner decoder, past the base model's). Adapters start at B = 0
+    from peft import AdaLoraConfig, LoraConfig, get_peft_model
+
+    case = next(c for c in PACKABLE if c.name == name)
+    model = convert(case, "sdpa", None, "paper")
+    targets = ["c_attn"] if name == "gpt2" else ["q_proj", "v_proj"]
+    config = (
+        LoraConfig(r=4, target_modules=targets)
+        if tuner == "lora"
+        else AdaLoraConfig(init_r=4, target_r=2, total_step=10, target_modules=targets)
+    )
+    model = get_peft_model(model, config)
+    ids, positions, documents = packed_batch(case)
+    packed, alone, _ = split_logits(model, ids, documents, position_ids=positions)
+    assert_packed_equals_alone(packed, alone, atol=1e-5)

@@ -6,6 +6,7 @@ threads running one model at once with different lengths and padding, each get e
 
 import threading
 
+import pytest
 import torch
 from tiny import random_ids, tiny_gpt2
 
@@ -38,6 +39,22 @@ def test_each_model_has_its_own_cache_and_nested_forwards_do_not_mix():
     torch.testing.assert_close(inner["teacher"], alone_teacher, rtol=0, atol=0)
 
 
+def test_a_forward_that_raises_leaves_no_mask_behind():
+    # the masks live for one forward, also one that raised (a hook after the masks were made)
+    model = hf_alibi.set_attention_path(hf_alibi.patch_model(tiny_gpt2(n_layer=3)), "bias")
+    masks = model.transformer.h[0].attn.alibi.masks
+
+    def fail(module, args, output):
+        assert masks.merged is not None  # made by the first layer
+        raise RuntimeError("stop")
+
+    handle = model.transformer.h[1].register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="stop"):
+        logits(model, random_ids(2, 9))
+    handle.remove()
+    assert masks.merged is None
+
+
 def test_two_threads_running_one_model_see_only_their_own_mask():
     model = hf_alibi.patch_model(tiny_gpt2(attn_implementation="eager", n_layer=4))
     jobs = []
@@ -62,3 +79,16 @@ def test_two_threads_running_one_model_see_only_their_own_mask():
         thread.join()
     assert not errors
     assert model.transformer.h[0].attn.alibi.masks.merged is None  # released by each forward
+
+
+def test_a_direct_forward_call_leaves_no_mask_behind():
+    # PEFT's AdaLoRA calls model.forward(...) itself, past nn.Module's hooks, and OPT's head runs its inner decoder,
+    # past the base model's: the masks made for that forward still go with it (the converted class's forward)
+    from arch_cases import CASES
+
+    model = hf_alibi.set_attention_path(hf_alibi.patch_model(next(c for c in CASES if c.name == "opt").make()), "bias")
+    masks = model.model.decoder.layers[0].self_attn.alibi.masks
+    before = masks.builds
+    with torch.no_grad():
+        model.forward(input_ids=random_ids(2, 9))
+    assert masks.builds == before + 1 and masks.merged is None
