@@ -55,8 +55,8 @@ class MaskCache:
     device, dtype) and on that mask object. Models that mix sliding-window and full layers get one
     mask object per layer kind from transformers: one merged mask each (``MAX_ENTRIES`` at most), so
     alternating layers reuse theirs instead of rebuilding it per layer. The entries are kept per
-    thread, so two threads running the same model never see each other's masks; :meth:`release` (a
-    forward hook of the converted model) drops the calling thread's entries when the forward ends. The learned form is
+    thread, so two threads running the same model never see each other's masks; :meth:`release` (at the end of
+    the converted model's forward) drops the calling thread's entries when the forward ends. The learned form is
     never shared: its slopes differ per layer and carry gradients.
 
     While ``torch.compile`` or ``torch.export`` traces, the cache is not used at all (:func:`bias_mask`
@@ -194,7 +194,7 @@ class MaskCache:
             self._paged[threading.get_ident()] = batch
 
     def begin(self, documents: torch.Tensor | None, batch) -> None:
-        """:meth:`set_documents` and :meth:`set_paged` at once, not traced (the conversion's pre-hook, before every
+        """:meth:`set_documents` and :meth:`set_paged` at once, not traced (``modeling.before_forward``, before every
         forward: one call)."""
         thread = threading.get_ident()
         for table, value in ((self._documents, documents), (self._paged, batch)):
@@ -215,7 +215,7 @@ class MaskCache:
         return self._cached(("paged", *key), cu_seq_lens_k, build)
 
     def release(self, *_args, **_kwargs) -> None:
-        """Drop the calling thread's masks (a forward hook: the forward they were made for has ended)."""
+        """Drop the calling thread's masks (the forward they were made for has ended)."""
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
             self._traced_documents = None
             return
