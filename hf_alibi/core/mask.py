@@ -186,16 +186,10 @@ class MaskCache:
             return self._traced_documents
         return self._documents.get(threading.get_ident())
 
-    def set_paged(self, batch) -> None:
-        """The calling thread's forward is a continuous-batching step (``batching.PagedBatch``), or not (``None``)."""
-        if batch is None:
-            self._paged.pop(threading.get_ident(), None)
-        else:
-            self._paged[threading.get_ident()] = batch
-
     def begin(self, documents: torch.Tensor | None, batch) -> None:
-        """:meth:`set_documents` and :meth:`set_paged` at once, not traced (``modeling.before_forward``, before every
-        forward: one call)."""
+        """The calling thread's forward, not traced (``modeling.before_forward``, before every forward): each
+        token's document start in a packed row (as :meth:`set_documents`; ``None``: not packed), and whether it is
+        a continuous-batching step (``batching.PagedBatch``, else ``None``)."""
         thread = threading.get_ident()
         for table, value in ((self._documents, documents), (self._paged, batch)):
             if value is None:
@@ -204,7 +198,7 @@ class MaskCache:
                 table[thread] = value
 
     def paged(self):
-        """What :meth:`set_paged` recorded for the calling thread's forward, else ``None``."""
+        """The continuous-batching layout :meth:`begin` recorded for the calling thread's forward, else ``None``."""
         if not self._paged or is_exporting():  # traced: never a continuous-batching step (batching.py refuses it)
             return None
         return self._paged.get(threading.get_ident())

@@ -332,8 +332,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
     @functools.wraps(base_cls.forward)  # the original's signature (transformers and the Trainer inspect it)
     def forward(self, *args, **kwargs):
         # the conversion's bookkeeping around every forward (``apply``), in the class rather than a hook: PEFT's
-        # AdaLoRA calls ``model.forward`` directly, past any hook, and a hook sends each call down nn.Module's
-        # slower path
+        # AdaLoRA calls ``model.forward`` directly, past any hook
         setup = self._alibi_forward
         args, kwargs = before_forward(setup, self, args, kwargs)
         try:
