@@ -118,9 +118,8 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
             return _choose_and_run(backend_name, backend, alibi, module, query, key, value, attention_mask, kwargs)
         if alibi.last_path != BIAS:  # nn.Module's __setattr__ is slow: set only on a change
             alibi.last_path = BIAS
-        if query.shape[2] < FLUSH_MIN_QUERIES:  # what _flushes says (not traced here: reuse answers nothing then)
-            return backend(module, query, key, value, mask, **kwargs)  # a decoding step: called directly
-        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, True)
+        flush = query.shape[2] >= FLUSH_MIN_QUERIES  # what _flushes says (not traced here: reuse answers nothing then)
+        return _with_bias_mask(backend, module, query, key, value, mask, kwargs, flush)
 
     return alibi_attention_forward
 
@@ -159,7 +158,7 @@ def _choose_and_run(
 def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool):
     # the mask-taking backend (eager, sdpa) with the bias merged into its mask: causality is in the mask now (the
     # backends take none of transformers' is_causal or position_bias). ``flush``: what _flushes says of this call
-    if not flush:
+    if not flush:  # decoding steps: called directly, the fewest steps
         return backend(module, query, key, value, mask, **kwargs)
     run = partial(backend, module, attention_mask=mask, **kwargs)
     return _flushed_kernel(run, query, key, value)

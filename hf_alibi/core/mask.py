@@ -116,9 +116,7 @@ class MaskCache:
         entries = self._entries.get(threading.get_ident())
         if not entries:
             return None
-        # _key written out: this runs in every layer of every decoding step, where a call costs more than the lookup
-        key = (alibi.sharing, query.shape, kv_len, query.device, query.dtype, torch.is_inference_mode_enabled())
-        hit = entries.get((key, id(attention_mask)))
+        hit = entries.get((_key(alibi, query, kv_len), id(attention_mask)))
         return None if hit is None else hit[1]
 
     def packed(self, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:

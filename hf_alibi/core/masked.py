@@ -70,21 +70,19 @@ def sdpa_attention_forward(
             "sdpa cannot soft-cap attention scores (this model sets attn_logit_softcapping): use "
             "model.set_attn_implementation('eager') or 'flex_attention'."
         )
-    heads = query.shape[1]
+    batch, heads, q_len, _ = query.shape
     groups = heads // key.shape[1]
-    if groups == 1:  # one KV head per query head: the fewest steps (a decoding step runs this in every layer)
-        output = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-        )
-        return output.transpose(1, 2).contiguous(), None
-    batch, _, q_len, _ = query.shape
-    if not is_exporting() and q_len == 1:  # traced: one graph for every query count
+    # one decoding query: each KV head's query heads as its rows (transformers' pack_gqa). Traced: one graph for
+    # every query count, so the KV heads are repeated
+    packed = groups > 1 and not is_exporting() and q_len == 1
+    if packed:
         query = query.reshape(batch, heads // groups, groups, query.shape[-1])
         attention_mask = attention_mask.reshape(attention_mask.shape[0], heads // groups, groups, -1)
-    else:
+    elif groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     output = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )
-    output = output.reshape(batch, heads, q_len, value.shape[-1])
+    if packed:
+        output = output.reshape(batch, heads, q_len, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None
