@@ -224,7 +224,7 @@ def run_type(model_type: str, args) -> list[str]:
         prompt = _ids(1, args.prompt, args.vocab)
         interleave(lambda m: generate_rate(m, prompt, 8), gen_models, 1)
         res = interleave(lambda m: generate_rate(m, prompt, args.new_tokens), gen_models, args.repeats)
-        r = {k: median(v + res.get(f"{k} 2", [])) for k, v in res.items()}
+        r = {k: median(v + res.get(f"{k} 2", [])) for k, v in res.items() if k not in second}
         rows.append(
             f"| {model_type} | generate, tokens/s | {args.prompt}+{args.new_tokens} | "
             f"{r['alibi'] / r['plain']:.3f} | | | "

@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -58,7 +57,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 import hf_alibi
 from hf_alibi.checkpoints import is_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
-from hf_alibi.distributed import fsdp_requested, fsdp_requested_but_not_used, is_fsdp2, unsharded_copy
+from hf_alibi.distributed import (
+    close_process_group,
+    fsdp_requested,
+    fsdp_requested_but_not_used,
+    is_fsdp2,
+    unsharded_copy,
+)
 from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
 from hf_alibi.gguf import OUTTYPES, check_exportable
 from hf_alibi.positions import original_length
@@ -512,19 +517,6 @@ def main():
         print(f"\nllama.cpp: {out} (llama-cli -m {out})")
 
     close_process_group(trainer.accelerator)
-
-
-def close_process_group(accelerator) -> None:
-    """End a distributed run cleanly. Without this, a gloo (CPU) run failed about one time in eight as it exited:
-    a rank aborted ("terminate called without an active exception"), or hung in ``~ProcessGroupGloo``, which joins
-    its worker threads under the GIL while a worker, dropping its last collective's tensors, waits for the GIL.
-    So every rank waits for the others (no collective in flight), gives the workers a moment with the GIL free to
-    drop what they hold, and closes the group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    accelerator.wait_for_everyone()
-    time.sleep(0.2)  # the GIL released: gloo's workers finish dropping their last work
-    accelerator.end_training()  # destroy_process_group
 
 
 if __name__ == "__main__":
