@@ -212,7 +212,9 @@ def folded_causal_attention(
         raise ValueError(
             f"fold construction must be one of {FOLD_CONSTRUCTIONS} ('channel' with sinks), got {construction!r}"
         )
-    is_causal = attention_mask is None and q_len > 1
+    # the length first, as transformers' sdpa does: under torch.compile's dynamic shapes (a second length) q_len is
+    # symbolic, `and` then guards on it and returns the plain bool after it (SDPA takes no SymBool)
+    is_causal = q_len > 1 and attention_mask is None
     if is_causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
         end = q_len  # top-left alignment: the queries are the first q_len positions

@@ -80,6 +80,7 @@ class MaskCache:
         # thread id -> each token's document start (B|1, L) in a packed row: set per forward (packing.py)
         self._documents: dict[int, torch.Tensor] = {}
         self._traced_documents: torch.Tensor | None = None  # the same while torch.compile / export traces
+        self._traced_rows: tuple = (None, None)  # the rows (``set_rows``) while torch.compile / export traces
         # thread id -> the continuous-batching layout of this forward (batching.PagedBatch): set per forward
         self._paged: dict[int, object] = {}
         # (slopes, device) -> the causal bias of one query over the latest keys, fp32 (1, H, 1, n): decoding steps
@@ -158,11 +159,20 @@ class MaskCache:
 
     def set_rows(self, starts: torch.Tensor | None, end: int | None) -> None:
         """Where each row's real tokens start (``(B,)``, ``None``: 0) and the sequence's end position
-        (``None``: the layer's key count) for the calling thread's forward: what sinks are placed by."""
-        self._rows[threading.get_ident()] = (starts, end)
+        (``None``: the layer's key count) for the calling thread's forward: what sinks are placed by.
+
+        While traced, one attribute instead of the per-thread table, as :meth:`set_documents` (dynamo cannot
+        trace ``threading``: ``torch.compile(fullgraph=True)`` of a model with sinks stopped here)."""
+        if is_exporting():
+            self._traced_rows = (starts, end)
+        else:
+            self._rows[threading.get_ident()] = (starts, end)
 
     def rows(self) -> tuple[torch.Tensor | None, int | None]:
-        """What :meth:`set_rows` recorded for the calling thread's forward, else ``(None, None)``."""
+        """What :meth:`set_rows` recorded for the calling thread's forward (traced: by the trace's own forward),
+        else ``(None, None)``."""
+        if is_exporting():
+            return self._traced_rows
         return self._rows.get(threading.get_ident(), (None, None))
 
     def set_documents(self, starts: torch.Tensor | None) -> None:
@@ -209,7 +219,7 @@ class MaskCache:
     def release(self, *_args, **_kwargs) -> None:
         """Drop the calling thread's masks (the forward they were made for has ended)."""
         if is_exporting():  # traced: nothing was cached (see the class), and dynamo cannot trace threading
-            self._traced_documents = None
+            self._traced_documents, self._traced_rows = None, (None, None)
             return
         thread = threading.get_ident()
         for table in (self._entries, self._rows, self._documents, self._paged):
