@@ -1,9 +1,13 @@
-"""Start-up cost of hf_alibi: ``import hf_alibi`` and ``hf-alibi --help`` against their baseline.
+"""Start-up cost of hf_alibi: ``import hf_alibi`` and the ``hf-alibi`` command against their baselines.
 
 Each measurement is a fresh interpreter; the variants run interleaved, ``--repeats`` times, and the
 median is printed (wall seconds, and CPU seconds of the child, which a busy machine disturbs less).
-The baseline is what hf_alibi cannot avoid: ``import torch`` and ``from transformers import
-PreTrainedModel``. To see where the time goes: ``python -X importtime -c "import hf_alibi"``.
+Two baselines: what ``import hf_alibi`` cannot avoid (``import torch`` and ``from transformers import
+PreTrainedModel``), and importing the transformers classes it registers (``AutoConfig`` with the config class of
+every built-in row, ``AutoModel``: the model classes themselves are made when a row is first used). The command's
+lines (``hf-alibi --help``, ``convert --help``, ``--version``, an argument error) run its entry point
+(``hf_alibi_cli.main``, what the installed ``hf-alibi`` script calls) and should cost a bare interpreter's time: they
+import neither torch nor transformers. To see where the time goes: ``python -X importtime -c "import hf_alibi"``.
 
     PYTHONPATH=$PWD python benchmarks/import_time.py --repeats 5
     python benchmarks/import_time.py --root /path/to/another/checkout   # the same for another copy
@@ -27,10 +31,25 @@ wall = time.perf_counter() - start
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print("RESULT", wall, usage.ru_utime + usage.ru_stime)
 """
+REGISTERED_CLASSES = """
+import re, torch
+from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+# the built-in rows' model types, read as text (importing patches/ would import hf_alibi)
+text = "".join(open(f"patches/{name}.py").read() for name in ("absolute", "relative", "rotary"))
+for model_type in sorted(set(re.findall(r'"([a-z0-9_]+)"', text)) & set(CONFIG_MAPPING.keys())):
+    CONFIG_MAPPING[model_type]  # imports the type's configuration module, as registering its Alibi<Config> does
+"""
+COMMAND = "import hf_alibi_cli\ntry:\n    hf_alibi_cli.main({argv})\nexcept SystemExit:\n    pass"
 VARIANTS = {
     "baseline": "import torch\nfrom transformers import PreTrainedModel",
+    "transformers' classes": REGISTERED_CLASSES,
     "import hf_alibi": "import torch\nfrom transformers import PreTrainedModel\nimport hf_alibi",
-    "hf-alibi --help": "from hf_alibi.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+    "bare interpreter": "pass",
+    "hf-alibi --help": COMMAND.format(argv=["--help"]),
+    "hf-alibi convert --help": COMMAND.format(argv=["convert", "--help"]),
+    "hf-alibi --version": COMMAND.format(argv=["--version"]),
+    "hf-alibi (argument error)": COMMAND.format(argv=["convert", "missing-folder/x/y", "out"]),
 }
 
 

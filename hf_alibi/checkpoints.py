@@ -27,9 +27,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from .core.compat import auto_class_names
-from .core.config import MODEL_TYPE_PREFIX, is_alibi_config
-from .registry import alibi_classes, get_architecture
+# This module is imported by the command line's parser (cli.py), which answers --help and argument errors before
+# torch and transformers are imported: what needs them (the registry, the config classes) is imported where used.
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -102,6 +101,31 @@ def source_kind(name: str | os.PathLike, label: str = "SRC") -> Literal["folder"
     return "hub"
 
 
+def check_source(src: str | os.PathLike, label: str = "SRC") -> Literal["folder", "hub"]:
+    """:func:`source_kind`, and for a folder: it exists and holds a config.json that is JSON. What can be told of
+    SRC without the network or transformers (the command line asks it before the library is imported); a
+    :class:`CheckpointError` otherwise.
+
+    >>> check_source("no-such-folder/x/y")
+    CheckpointError: SRC 'no-such-folder/x/y' is not a folder. ...
+    """
+    kind = source_kind(src, label)
+    if kind == "folder":
+        src = os.fspath(src)
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{label} {src!r} is not a folder. Pass a checkpoint folder (with config.json) or a Hub id."
+            )
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{label} {src!r} has no config.json: it is not a transformers checkpoint folder.")
+        try:
+            json.loads((path / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{label} {src!r} has a config.json that is not valid JSON ({error}).") from error
+    return kind
+
+
 def _in_cache(name: str | os.PathLike) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
@@ -151,21 +175,8 @@ def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
     from transformers import PretrainedConfig
 
     src = os.fspath(src)
-    kind = source_kind(src, label)
-    if kind == "hub" and not _in_cache(src):
+    if check_source(src, label) == "hub" and not _in_cache(src):
         check_hub_source(src, label)
-    if kind == "folder":
-        path = Path(src).expanduser()
-        if not path.is_dir():
-            raise CheckpointError(
-                f"{label} {src!r} is not a folder. Pass a checkpoint folder (with config.json) or a Hub id."
-            )
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{label} {src!r} has no config.json: it is not a transformers checkpoint folder.")
-        try:
-            json.loads((path / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise CheckpointError(f"{label} {src!r} has a config.json that is not valid JSON ({error}).") from error
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(src)
     except OSError as error:
@@ -189,6 +200,8 @@ def is_alibi(config: Mapping[str, Any] | Any) -> bool:
     >>> is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 12}}), is_alibi({"model_type": "gpt2"})
     (True, False)
     """
+    from .core.config import is_alibi_config
+
     if isinstance(config, Mapping):
         return is_alibi_config(SimpleNamespace(alibi=config.get("alibi"), model_type=config.get("model_type", "")))
     return is_alibi_config(config)
@@ -210,6 +223,10 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
     'GPT2LMHeadModel'
     """
     import transformers
+
+    from .core.compat import auto_class_names
+    from .core.config import MODEL_TYPE_PREFIX
+    from .registry import alibi_classes, get_architecture
 
     model_type = config_dict["model_type"]
     if is_alibi(config_dict) or str(model_type).startswith(MODEL_TYPE_PREFIX):
@@ -310,6 +327,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "check_hub_source",
     "check_output",
+    "check_source",
     "has_tokenizer",
     "is_alibi",
     "is_hub_id",

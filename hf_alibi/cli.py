@@ -25,19 +25,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
+import os
 import sys
+from pathlib import Path
 
+# Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
+# the command line is parsed, and --help, --version and every error about arguments or paths answered, before the
+# library is imported (seconds). ``hf-alibi`` runs this file without hf_alibi/__init__.py (hf_alibi_cli/); a job
+# then runs in the real ``hf_alibi.cli`` (:func:`_jobs`), where the library's own exception classes are caught.
 from .checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
     CheckpointError,
+    check_output,
+    check_source,
     is_hub_id,
 )
-from .core.settings import AlibiSettings, conversion_options, describe_options
-from .core.slopes import ENCODER_VARIANTS
-from .gguf import OUTTYPES, GGUFExportError, export_gguf
-from .jobs import checkpoint_info, convert_checkpoint, recover_checkpoint
-from .patch import OPTIONS, PRESETS
+from .core.names import ENCODER_VARIANTS
+from .core.settings import AlibiSettings, conversion_options, describe_options, presets
+from .core.version import __version__
+from .gguf import OUTTYPES, GGUFExportError
+
+OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
+PRESETS = presets()
 
 
 class CliError(Exception):
@@ -122,6 +133,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
+    parser.add_argument("--version", action="version", version=f"hf-alibi {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     conv = commands.add_parser("convert", help="convert a checkpoint (folder or Hub id) to ALiBi")
@@ -232,14 +244,59 @@ def _check_push_arguments(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and check what needs no model (here: no torch, no transformers), then run the job."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the rest is `transformers serve`'s own command line (hf_alibi/serve.py)
         return _serve(parser, argv[1:])
     args = parser.parse_args(argv)
     try:
+        check_inputs(args)
+    except (CliError, CheckpointError, GGUFExportError) as error:
+        parser.exit(2, f"hf-alibi: error: {error}\n")
+    return _jobs().run(parser, args)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """The checks of a parsed command line that need no model, so that their errors come at once: SRC a folder or
+    a Hub id (the offline cache too), OUT writable, the text files there, the upload flags. The jobs check the
+    same again (they are library functions too); this only says it before the library is imported."""
+    if args.command in ("convert", "recover", "info"):
+        check_source(args.path if args.command == "info" else args.src, "PATH" if args.command == "info" else "SRC")
+    if args.command in ("convert", "recover"):
+        check_output(args.src, args.out, args.overwrite)
+    if args.command == "convert":
+        _check_push_arguments(args)
+        _check_file(args.fit_file, "--fit-slopes")
+    if args.command == "recover":
+        _check_file(args.train_file, "--train-file")
+        _check_file(args.validation_file, "--validation-file")
+    if args.command == "export-gguf":
+        check_source(args.src)
+        out = Path(args.out)
+        if out.is_dir():
+            raise GGUFExportError(f"{out} is a folder: give the path of the .gguf file to write.")
+        if out.exists() and not args.overwrite:
+            raise GGUFExportError(f"{out} exists: pass --overwrite to replace it.")
+
+
+def _check_file(path: str | None, flag: str) -> None:
+    if path is not None and not os.path.isfile(path):
+        raise CliError(f"{flag} {path!r} is not a file: pass the path of a text file.")
+
+
+def _jobs():
+    # the module that runs jobs: this one when hf_alibi was imported as usual, else (hf-alibi ran this file without
+    # the package's __init__) the real hf_alibi.cli, imported now with the library
+    return sys.modules[__name__] if __name__ == "hf_alibi.cli" else importlib.import_module("hf_alibi.cli")
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the parsed command's job and report; the library's errors become ``hf-alibi: error: ...``."""
+    from .jobs import checkpoint_info, convert_checkpoint, recover_checkpoint
+
+    try:
         if args.command == "convert":
-            _check_push_arguments(args)
             options = {name: getattr(args, name) for name in ("preset", *OPTIONS)}
             out = convert_checkpoint(
                 args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=args.fit_file,
@@ -265,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":
+            from .gguf import export_gguf
+
             path = export_gguf(args.src, args.out, outtype=args.outtype, overwrite=args.overwrite)
-            print(f"Wrote {path} ({args.outtype}): llama-cli -m {path}")
+            print(f"Wrote {path} ({args.outtype}): {RUN_GGUF.format(path=path)}")
         elif args.command == "info":
             info = checkpoint_info(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
@@ -277,11 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
-    from hf_alibi.serve import serve
+# how to run an exported file: llama.cpp's own programs, or llama-cpp-python (which ".[dev]" installs)
+RUN_GGUF = "llama-cli -m {path} (llama.cpp's programs), or llama_cpp.Llama(model_path='{path}') (llama-cpp-python)"
 
+
+def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id)\n")
+        print("transformers serve's options follow (needs transformers' serving extras: pip install "
+              "'transformers[serving]'):", flush=True)  # fmt: skip
         from hf_alibi.core.compat import transformers_cli_app
 
         transformers_cli_app()(args=["serve", "--help"], prog_name="hf-alibi")
@@ -289,8 +352,19 @@ def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         parser.exit(2, "hf-alibi: error: serve needs MODEL first (a converted folder or Hub id), then `transformers "
                     "serve`'s options\n")  # fmt: skip
     try:
-        serve(argv[0], argv[1:])
+        check_source(argv[0], "MODEL")
     except CheckpointError as error:
+        parser.exit(2, f"hf-alibi: error: {error}\n")
+    return _jobs().run_serve(parser, argv)
+
+
+def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """``hf-alibi serve MODEL ...`` with the library imported; its errors become ``hf-alibi: error: ...``."""
+    from .serve import MissingServingExtras, serve
+
+    try:
+        serve(argv[0], argv[1:])
+    except (CheckpointError, MissingServingExtras) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     return 0
 

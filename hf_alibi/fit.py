@@ -19,6 +19,7 @@ from .core.architectures import find_architecture
 from .core.compat import attn_implementation
 from .core.config import is_alibi_config
 from .core.modeling import self_attentions
+from .core.settings import FittedSlopes
 
 DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)
 
@@ -111,5 +112,4 @@ def fit_slopes(
             f"{config.model_type}: its attention layers gave no attention weights with eager attention, so "
             "fit_slopes cannot measure them. Use slope_scale instead."
         )
-    slopes = [[scale / max(d, 1.0) for d in mean.tolist()] for mean in means]
-    return slopes
+    return FittedSlopes([scale / max(d, 1.0) for d in mean.tolist()] for mean in means)

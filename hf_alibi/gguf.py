@@ -26,13 +26,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from .checkpoints import is_alibi, read_config
-from .core.config import get_settings, is_alibi_config
+from .checkpoints import has_tokenizer, is_alibi, read_config
 from .core.settings import conversion_options
+
+# Module level imports only what the command line's parser needs (OUTTYPES): torch, numpy and the config classes are
+# imported where they are used, so that `hf-alibi export-gguf --help` and its argument errors answer at once.
+if TYPE_CHECKING:
+    import torch
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # each checked against llama.cpp itself (tests/hub/test_gguf.py); the others differ in their block (norms with an
@@ -104,17 +106,23 @@ def _load(src, tokenizer):
     config = read_config(folder)
     if not is_alibi(config):
         raise GGUFExportError(f"{folder} is not an ALiBi checkpoint: convert it first (hf-alibi convert).")
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    if tokenizer is None:
+    if tokenizer is None:  # before the weights load: GGUF carries the tokenizer, and a folder may lack one
+        if has_tokenizer(folder) is False:
+            raise GGUFExportError(
+                f"{folder} has no tokenizer files, and GGUF carries the tokenizer: save it there first "
+                f"(tokenizer.save_pretrained({str(folder)!r})), then export again."
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError) as error:
             raise GGUFExportError(f"{folder} has no tokenizer llama.cpp could use: {error}".splitlines()[0]) from None
-    return model.eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
 
 
 def check_exportable(model) -> str:
     """The llama.cpp architecture ``model`` runs as exactly (``"refact"`` or ``"mpt"``), else a one-line error."""
+    from .core.config import get_settings, is_alibi_config
+
     config = model.config
     if not is_alibi_config(config):
         raise GGUFExportError("This model is not converted to ALiBi: hf_alibi.patch_model it first.")
@@ -155,6 +163,8 @@ def _check_llama_like(model, base: str) -> None:
     config = model.config
     if getattr(config, "hidden_act", "silu") != "silu":
         _refuse(f"activation {config.hidden_act!r} (refact's MLP is SwiGLU)")
+    import torch
+
     layer = model.base_model.layers[0]
     if any(module.bias is not None for module in layer.mlp.modules() if isinstance(module, torch.nn.Linear)):
         _refuse("MLP biases (refact loads none)")
@@ -275,6 +285,8 @@ REFACT_NAMES = {
 
 
 def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, outtype: str) -> None:
+    import numpy as np
+
     data = tensor.contiguous().numpy().astype(np.float32)
     # vectors (norms, biases) stay f32, as llama.cpp's converter writes them
     if data.ndim < 2 or outtype == "f32":

@@ -19,19 +19,15 @@ from transformers import PreTrainedModel
 
 from .core.config import get_settings, is_alibi_config
 from .core.modeling import check_fits, check_sinks_fit, convert
-from .core.settings import AlibiSettings, OriginalLength, conversion_options
+from .core.settings import FITTED, AlibiSettings, FittedSlopes, OriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
 from .registry import alibi_classes, get_architecture
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# Named settings for patch_model(preset=...), gathered from the options' declarations (core/settings.py): the one
-# place to change when better values are measured. "pretrained": for a pretrained checkpoint (no training after
-# the conversion, or before recovery); how each value was measured: docs/measurements.md.
-PRESETS: dict[str, dict[str, Any]] = {}
-for _field in conversion_options():
-    for _name, _value in _field.metadata["presets"].items():
-        PRESETS.setdefault(_name, {})[_field.name] = _value
+# Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets). "pretrained":
+# for a pretrained checkpoint (no training after the conversion, or before recovery).
+PRESETS: dict[str, dict[str, Any]] = presets()
 
 
 def takes_options(function: Callable) -> Callable:
@@ -103,6 +99,8 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     if explicit.get("slopes") is not None and explicit.get("slope_scale") is None:
         values["slope_scale"] = 1.0
     if values["slopes"] is not None:
+        if isinstance(values["slopes"], FittedSlopes):  # measured by fit_slopes: recorded as such
+            values["slopes_source"] = FITTED
         values["slopes"] = list(values["slopes"])
     return values
 

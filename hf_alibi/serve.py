@@ -17,6 +17,12 @@ import sys
 
 from .checkpoints import CheckpointError, is_alibi, read_config
 
+EXTRAS_INSTALL = "pip install 'hf_alibi[serve]' (or transformers' own: pip install 'transformers[serving]')"
+
+
+class MissingServingExtras(ImportError):
+    """transformers' server needs packages (fastapi, uvicorn, openai, ...) that are not installed: one line."""
+
 
 def serving_class(model: str) -> type:
     """The ``Alibi<Class>`` that loads the converted checkpoint ``model`` (folder or Hub id), resolvable as
@@ -47,8 +53,10 @@ def serving_class(model: str) -> type:
 
 def serve(model: str, arguments: list[str]) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable."""
-    from .core.compat import transformers_cli_app
+    from .core.compat import serving_available, transformers_cli_app
 
+    if not serving_available():  # before MODEL loads: transformers' server would raise this after it
+        raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)

@@ -317,6 +317,14 @@ def transformers_cli_app():
     return app
 
 
+def serving_available() -> bool:
+    """Whether ``transformers serve``'s own dependencies are installed (``transformers.utils.import_utils.
+    is_serve_available``, what its server checks first; checked on transformers 5.24.0)."""
+    from transformers.utils.import_utils import is_serve_available
+
+    return is_serve_available()
+
+
 def attn_implementation(config: PretrainedConfig) -> str | dict | None:
     """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
     property; ``fit_slopes`` reads it to restore it after its eager pass; checked on transformers 5.23.0)."""
@@ -328,5 +336,6 @@ __all__ += [
     "loss_is_per_batch_mean",
     "name_or_path",
     "relative_import_files",
+    "serving_available",
     "transformers_cli_app",
 ]

@@ -1,8 +1,17 @@
-"""The attention implementation names hf_alibi registers: ``alibi_<backend>``, or ``alibi_remote_<backend>``
-for a checkpoint's copy of this code. Kept apart from the kernels so that the config code can name
-backends without importing them."""
+"""The names a user and the config code pass around, with no import: the bias forms, and the attention
+implementation names hf_alibi registers (``alibi_<backend>``, or ``alibi_remote_<backend>`` for a checkpoint's copy
+of this code). Kept apart from the kernels so that the config code, the settings and the command line's parser can
+name them without importing torch."""
 
 from __future__ import annotations
+
+# the bias forms (slopes.py builds each): causal self-attention, and the bidirectional (encoder) variants
+CAUSAL = "causal"
+SYMMETRIC = "symmetric"
+NONSYMMETRIC = "nonsymmetric"
+LEARNED = "learned"
+ENCODER_VARIANTS = (SYMMETRIC, NONSYMMETRIC, LEARNED)
+BIAS_KINDS = (CAUSAL, *ENCODER_VARIANTS)
 
 LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
 # transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known

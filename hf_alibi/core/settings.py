@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .slopes import ENCODER_VARIANTS
+from .names import ENCODER_VARIANTS
 from .version import __version__
 
 
@@ -35,6 +35,11 @@ def slope_list(text: str) -> list[float]:
 
 
 slope_list.__name__ = "comma-separated slopes"  # what argparse calls a bad value
+
+
+class FittedSlopes(list):
+    """Per-layer slopes that :func:`hf_alibi.fit_slopes` measured (a list of lists, one per self-attention layer):
+    given as ``slopes``, the settings record them as fitted (``slopes_source``), so ``hf-alibi info`` says so."""
 
 
 def option(
@@ -60,6 +65,9 @@ def option(
     metadata = {"help": help, "option": True, "flag_help": flag_help, "parse": parse}
     metadata.update(presets=presets or {}, applies=applies, describe=describe, refusal=refusal)
     return field(default=default, metadata=metadata)
+
+
+FITTED = "fit_slopes"  # AlibiSettings.slopes_source of slopes that fit_slopes measured
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,13 @@ class AlibiSettings:
         "list per self-attention layer, in the model's order (hf_alibi.fit_slopes).",
         flag_help="explicit slopes a,b,... (one per head)",
         parse=slope_list,
-        describe=lambda s: None if s.slopes is None else "slopes: explicit (--slopes)",
+        describe=lambda s: (
+            None
+            if s.slopes is None
+            else "slopes: fitted per layer and head on text (fit_slopes)"
+            if s.slopes_source == FITTED
+            else "slopes: explicit (--slopes)"
+        ),
     )
     rotary_max_wavelength: float | None = option(
         None,
@@ -168,6 +182,13 @@ class AlibiSettings:
         default=0,
         metadata={"help": "The retained table's rows (its period), set with table_max_wavelength."},
     )
+    slopes_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where explicit slopes came from: 'fit_slopes' (measured per layer and head on text by the "
+            "original, hf_alibi.fit_slopes / --fit-slopes), or None (given as they are, or none given)."
+        },
+    )
 
     def __post_init__(self):
         if self.encoder_variant is not None and self.encoder_variant not in ENCODER_VARIANTS:
@@ -179,6 +200,8 @@ class AlibiSettings:
             self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
             self.position_mean, self.table_max_wavelength, self.table_rows,
         )  # fmt: skip
+        if self.slopes_source not in (None, FITTED) or (self.slopes_source and self.slopes is None):
+            raise ValueError(f"slopes_source must be None or {FITTED!r} (with slopes), got {self.slopes_source!r}.")
         if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
             object.__setattr__(self, "slopes", _as_floats(self.slopes))
 
@@ -201,6 +224,20 @@ def conversion_options() -> tuple[dataclasses.Field, ...]:
     ['sinks', 'slope_scale']
     """
     return tuple(f for f in dataclasses.fields(AlibiSettings) if f.metadata.get("option"))
+
+
+def presets() -> dict[str, dict[str, Any]]:
+    """The named presets of ``patch_model(preset=...)``, gathered from the options' declarations (each option's
+    ``presets``): the one place to change when better values are measured (docs/measurements.md).
+
+    >>> presets()["pretrained"]["sinks"]
+    1
+    """
+    named: dict[str, dict[str, Any]] = {}
+    for option in conversion_options():
+        for name, value in option.metadata["presets"].items():
+            named.setdefault(name, {})[option.name] = value
+    return named
 
 
 def describe_options(settings: AlibiSettings) -> str:

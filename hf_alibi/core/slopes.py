@@ -19,12 +19,7 @@ import math
 
 import torch
 
-CAUSAL = "causal"
-SYMMETRIC = "symmetric"
-NONSYMMETRIC = "nonsymmetric"
-LEARNED = "learned"
-ENCODER_VARIANTS = (SYMMETRIC, NONSYMMETRIC, LEARNED)
-BIAS_KINDS = (CAUSAL, *ENCODER_VARIANTS)
+from .names import BIAS_KINDS, CAUSAL, ENCODER_VARIANTS, LEARNED, NONSYMMETRIC, SYMMETRIC  # noqa: F401  (re-exported)
 
 
 def _power_of_two_slopes(n: int) -> list[float]:

@@ -174,8 +174,22 @@ def test_cli_convert_fits_the_slopes_on_the_text(llama_folder, tmp_path, capsys)
     expected = hf_alibi.fit_slopes(transformers.AutoModelForCausalLM.from_pretrained(src), ids, sinks=1)
     saved = json.loads((out / "config.json").read_text())["alibi"]
     assert saved["slopes"] == expected and saved["slope_scale"] == 1.0 and saved["sinks"] == 1
+    assert saved["slopes_source"] == "fit_slopes"  # recorded as fitted, not as slopes given by hand
     code, stdout, _ = run_cli("info", out, capsys=capsys)
     assert code == 0 and "slopes: per layer (2 layers x 4 heads), from " in stdout
+    assert "slopes: fitted per layer and head on text (fit_slopes)" in stdout and "explicit" not in stdout
+
+
+def test_slopes_given_by_hand_are_not_called_fitted(tmp_path):
+    model = hf_alibi.patch_model(tiny_llama(), slopes=[[0.5, 0.25, 0.125, 0.0625]] * 2)
+    assert hf_alibi.get_settings(model.config).slopes_source is None
+    fitted = hf_alibi.fit_slopes(tiny_llama(), random_ids(1, 16))
+    model = hf_alibi.patch_model(tiny_llama(), slopes=fitted)
+    assert hf_alibi.get_settings(model.config).slopes_source == "fit_slopes"
+    model.save_pretrained(tmp_path)  # kept through a reload
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert hf_alibi.get_settings(reloaded.config).slopes_source == "fit_slopes"
+    assert hf_alibi.get_settings(reloaded.config).slopes == hf_alibi.get_settings(model.config).slopes
 
 
 @pytest.mark.parametrize(
@@ -184,7 +198,7 @@ def test_cli_convert_fits_the_slopes_on_the_text(llama_folder, tmp_path, capsys)
         (["--fit-scale", "0.2"], "--fit-scale applies to --fit-slopes only"),
         (["--fit-slopes", "TEXT", "--slope-scale", "0.1"], "--fit-slopes computes the slopes: drop --slopes"),
         (["--fit-slopes", "TEXT", "--fit-scale", "-1"], "--fit-scale must be > 0"),
-        (["--fit-slopes", "MISSING"], "could not be read as UTF-8 text"),
+        (["--fit-slopes", "MISSING"], "is not a file: pass the path of a text file"),
     ],
 )
 def test_cli_fit_slopes_bad_flags_write_nothing(llama_folder, tmp_path, capsys, extra, message):

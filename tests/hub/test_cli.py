@@ -147,15 +147,16 @@ def test_info_reports_the_settings(converted, capsys):
 
 
 def test_console_script_is_declared_and_runs_as_a_module(gpt2_src, tmp_path):
-    """The entry point, once (the per-architecture conversions above run in this process)."""
-    assert '[project.scripts]\nhf-alibi = "hf_alibi.cli:main"\n' in (REPO_ROOT / "pyproject.toml").read_text()
+    """The entry point, once (the per-architecture conversions above run in this process): ``hf-alibi`` (its
+    entry, hf_alibi_cli.main, which parses before the library is imported) and ``python -m hf_alibi`` run a job."""
+    assert '[project.scripts]\nhf-alibi = "hf_alibi_cli:main"\n' in (REPO_ROOT / "pyproject.toml").read_text()
     out = tmp_path / "alibi"
     assert cli.main(["convert", str(gpt2_src), str(out)]) == 0
-    result = subprocess.run(
-        [sys.executable, "-m", "hf_alibi", "info", str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ALiBi checkpoint of" in result.stdout
+    entry = "import sys, hf_alibi_cli; sys.exit(hf_alibi_cli.main())"
+    for command in ([sys.executable, "-m", "hf_alibi"], [sys.executable, "-c", entry]):
+        result = subprocess.run([*command, "info", str(out)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "ALiBi checkpoint of" in result.stdout
 
 
 def test_convert_with_encoder_variant_for_a_decoder_only_model_is_refused(tmp_path, capsys):

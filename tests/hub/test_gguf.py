@@ -139,6 +139,22 @@ def test_what_llama_cpp_cannot_run_is_refused_before_writing(name, overrides, op
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+def test_a_folder_without_a_tokenizer_is_refused_before_its_weights_load(tokenizer, tmp_path, capsys, monkeypatch):
+    import transformers
+
+    folder = tmp_path / "folder"
+    converted("llama", {}, tokenizer).save_pretrained(folder)  # no tokenizer saved beside it
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    code, _, err = run_cli("export-gguf", str(folder), str(tmp_path / "m.gguf"), capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "has no tokenizer files" in err
+    assert "tokenizer.save_pretrained" in err
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_cli_exports_a_converted_folder(tokenizer, tmp_path, capsys):
     import gguf
 
