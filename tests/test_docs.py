@@ -38,6 +38,16 @@ def test_ci_runs_readme_test_command():
     assert ci_steps() == expected
 
 
+def test_ci_runs_the_tests_again_offline():
+    """Issue 35: the default tier passes in the environment of a machine without the Hub too."""
+    lines = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+    offline = [shlex.split(line) for line in lines if "HF_HUB_OFFLINE=1" in line]
+    assert len(offline) == 1
+    settings = {a.split("=", 1)[0] for a in offline[0] if "=" in a and not a.startswith("-")}
+    assert {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME"} <= settings
+    assert offline[0][-6:] == ["python3", "-m", "pytest", "-q", "-m", "not slow"]
+
+
 def github_anchor(heading: str) -> str:
     """GitHub's id for a heading: lower case, punctuation other than - and _ dropped, spaces as -."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

@@ -226,7 +226,10 @@ def test_a_reduced_rotary_row_with_original_max_saves(tmp_path):
 def test_hub_source_downloads_only_its_companions(st_src, tmp_path, monkeypatch):
     """A Hub SRC: its file list, then modules.json / tokenizer_config.json, then only the companions."""
     import huggingface_hub
+    import huggingface_hub.constants
 
+    # the online branch, whatever the environment says (HF_HUB_OFFLINE=1 takes the local cache: the test below)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     repo = tmp_path / "repo"  # what the Hub repo holds
     shutil.copytree(st_src, repo)
     _write(repo, {"1_Pooling/model.safetensors": b"\x01", "model-00001-of-00002.safetensors": b"\x00"})
@@ -257,6 +260,31 @@ def test_hub_source_downloads_only_its_companions(st_src, tmp_path, monkeypatch)
     assert names == expected
     assert (tmp_path / "out" / "1_Pooling" / "model.safetensors").read_bytes() == b"\x01"
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.*")) == expected
+
+
+def test_hub_source_offline_reads_only_the_local_cache(st_src, tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1: the companions come from the cached snapshot alone; the Hub is never asked."""
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    repo = tmp_path / "cached"  # the local cache's snapshot of the repo
+    shutil.copytree(st_src, repo)
+    calls = []
+
+    def snapshot(repo_id, allow_patterns=None, local_files_only=False, **kwargs):
+        calls.append((repo_id, allow_patterns, local_files_only))
+        return str(repo)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the Hub was asked for a file list with HF_HUB_OFFLINE=1")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", no_network)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    names = copy_companions("someone/st-model", tmp_path / "out")
+    assert calls == [("someone/st-model", None, True)]
+    assert "tokenizer.json" in names and "modules.json" in names
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (repo / "tokenizer.json").read_bytes()
 
 
 def test_info_of_a_converted_sentence_transformer(st_out, capsys):
