@@ -22,6 +22,7 @@ from .core.modeling import check_fits, check_sinks_fit, convert
 from .core.settings import FITTED, AlibiSettings, FittedSlopes, OriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
+from .positions import original_length
 from .registry import alibi_classes, get_architecture
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
@@ -84,7 +85,7 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     """
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} (or None: the paper's method).")
-    length = getattr(config, "max_position_embeddings", None)
+    length = original_length(config)  # the one answer: RoBERTa's table has 514 rows for 512 positions
     values = {}
     for f in conversion_options():
         value = PRESETS.get(preset, {}).get(f.name, f.default)

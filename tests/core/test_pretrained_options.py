@@ -439,3 +439,16 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
     assert describe_options(given) == (
         "sinks: 0; slopes: explicit (--slopes); position table's mean (first 8 rows) kept in the embeddings"
     )
+
+
+def test_preset_lengths_are_the_original_length_not_the_table_size():
+    """RoBERTa's table has max_position_embeddings = 514 rows for 512 positions (positions.original_length): the
+    preset's table bound is 1x the original length, 512 (it read max_position_embeddings itself, 514)."""
+    from transformers import LlamaConfig, RobertaConfig
+
+    from hf_alibi.patch import settings_for
+
+    roberta = RobertaConfig(max_position_embeddings=514, pad_token_id=1, num_attention_heads=4, hidden_size=32)
+    assert settings_for(roberta, preset="pretrained").table_max_wavelength == 512.0
+    llama = LlamaConfig(max_position_embeddings=2048, num_attention_heads=4, hidden_size=32)
+    assert settings_for(llama, preset="pretrained").rotary_max_wavelength == 8 * 2048.0
