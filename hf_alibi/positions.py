@@ -19,11 +19,8 @@ from torch import nn
 
 from .checkpoints import is_alibi
 from .core.architectures import find_architecture
-from .core.config import MODEL_TYPE_PREFIX
+from .core.config import LENGTH_FIELDS, MODEL_TYPE_PREFIX
 from .core.strategies import find_modules, table_rows
-
-# transformers' names for the longest input a config states (GPT-2's n_positions, the others').
-LENGTH_FIELDS = ("n_positions", "max_position_embeddings")
 
 
 def original_length(config: Mapping[str, Any] | Any) -> int | None:

@@ -35,7 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 # model_type -> Alibi<Config> (made at registration); model_type -> {transformers class: Alibi class}
 # (made when the row is first used)
-_CONFIG_CLASSES: dict[str, type] = {}
+_CONFIG_BY_TYPE: dict[str, type] = {}
 _CLASSES: dict[str, dict[type, type]] = {}
 # The bases every Alibi<Class> gets besides its transformers class: given by hf_alibi/__init__.py
 # (hf_alibi.hub.saving's AlibiPreTrainedMixin), not imported here, so the registry depends on the core only.
@@ -80,7 +80,7 @@ def alibi_classes(model_type: str) -> dict[type, type]:
     """transformers class -> ``Alibi<Class>`` for a registered ``model_type`` (made on first use)."""
     classes = _CLASSES.get(model_type)
     if classes is None:  # the row is looked up (an error for an unknown type) only to make them
-        classes = _CLASSES[model_type] = _model_classes(get_architecture(model_type), _CONFIG_CLASSES[model_type])
+        classes = _CLASSES[model_type] = _model_classes(get_architecture(model_type), _CONFIG_BY_TYPE[model_type])
     return classes
 
 
@@ -166,7 +166,7 @@ def _register(row: Architecture, strategy: Callable | None = None) -> None:
         )
     config_cls = _config_class(row)
     AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-    _CONFIG_CLASSES[row.model_type] = config_cls
+    _CONFIG_BY_TYPE[row.model_type] = config_cls
     REGISTERED[row.model_type] = row
 
 
@@ -182,7 +182,7 @@ def _takes_settings(strategy: Callable) -> Callable:
 
 def class_named(name: str) -> type | None:
     """A registered ``Alibi<Class>`` or ``Alibi<Config>`` by name (``hf_alibi.models`` answers with it)."""
-    for config_cls in _CONFIG_CLASSES.values():
+    for config_cls in _CONFIG_BY_TYPE.values():
         if config_cls.__name__ == name:
             return config_cls
     base_name = name.removeprefix("Alibi")

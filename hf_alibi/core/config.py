@@ -48,7 +48,8 @@ REMOVED_FIELD_MARKER = "removed by hf_alibi: this is an ALiBi checkpoint"
 # min(model_max_length, max_position_embeddings); generate caps max_length by it; rope validation compares
 # original_max_position_embeddings with it), where None raised TypeError. config.json keeps the marker.
 NO_MAXIMUM = int(1e30)
-LENGTH_FIELDS = frozenset({"n_positions", "max_position_embeddings", "n_ctx"})
+# transformers' names for the longest input a config states, in the order a config is read (positions.py)
+LENGTH_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 # Auto classes named in the marker's advice, most specific first.
 _ADVISED_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
 
@@ -196,7 +197,7 @@ def _check_output_attentions(value: bool, backend: str | None) -> None:
         )
 
 
-_CONFIG_CLASSES: dict[tuple[type, str], type] = {}
+_MADE_CONFIG_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def alibi_config_class(
@@ -218,7 +219,7 @@ def alibi_config_class(
     """
     if issubclass(base_config_class, AlibiConfigMixin):  # already one (e.g. T5's stack configs on reload)
         return base_config_class
-    cls = _CONFIG_CLASSES.get((base_config_class, module))
+    cls = _MADE_CONFIG_CLASSES.get((base_config_class, module))
     if cls is None:
         name = "Alibi" + base_config_class.__name__
         known = removed_fields or ()
@@ -236,7 +237,7 @@ def alibi_config_class(
         cls = type(name, (*bases, AlibiConfigMixin, base_config_class), namespace)
         # The base class's strict validators demand an int in the removed fields: not here.
         drop_config_validators(cls, None if removed_fields is None else known)
-        _CONFIG_CLASSES[(base_config_class, module)] = cls
+        _MADE_CONFIG_CLASSES[(base_config_class, module)] = cls
     return cls
 
 
