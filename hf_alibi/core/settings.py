@@ -228,12 +228,14 @@ def conversion_options() -> tuple[dataclasses.Field, ...]:
 
 def presets() -> dict[str, dict[str, Any]]:
     """The named presets of ``patch_model(preset=...)``, gathered from the options' declarations (each option's
-    ``presets``): the one place to change when better values are measured (docs/measurements.md).
+    ``presets``): the one place to change when better values are measured (docs/measurements.md). ``"paper"`` is
+    the paper's method, every option at its default (the same as no preset), so that every entry point that takes
+    a preset takes the same names.
 
-    >>> presets()["pretrained"]["sinks"]
-    1
+    >>> presets()["pretrained"]["sinks"], presets()["paper"]
+    (1, {})
     """
-    named: dict[str, dict[str, Any]] = {}
+    named: dict[str, dict[str, Any]] = {"paper": {}}
     for option in conversion_options():
         for name, value in option.metadata["presets"].items():
             named.setdefault(name, {})[option.name] = value

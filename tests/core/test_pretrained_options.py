@@ -452,3 +452,14 @@ def test_preset_lengths_are_the_original_length_not_the_table_size():
     assert settings_for(roberta, preset="pretrained").table_max_wavelength == 512.0
     llama = LlamaConfig(max_position_embeddings=2048, num_attention_heads=4, hidden_size=32)
     assert settings_for(llama, preset="pretrained").rotary_max_wavelength == 8 * 2048.0
+
+
+def test_preset_paper_is_the_papers_method_everywhere():
+    """recover took preset='paper' and patch_model refused it: one set of names (issue 34.5)."""
+    paper = hf_alibi.patch_model(tiny_gpt2(), preset="paper")
+    plain = hf_alibi.patch_model(tiny_gpt2())
+    assert hf_alibi.get_settings(paper.config) == hf_alibi.get_settings(plain.config)
+    assert hf_alibi.get_settings(paper.config).sinks == 0 and hf_alibi.get_settings(paper.config).slope_scale == 1.0
+    ids = random_ids(1, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(paper(ids).logits, plain(ids).logits, rtol=0, atol=0)
