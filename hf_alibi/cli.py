@@ -46,6 +46,7 @@ from .core.names import ENCODER_VARIANTS
 from .core.settings import AlibiSettings, conversion_options, describe_options, presets
 from .core.version import __version__
 from .gguf import OUTTYPES, GGUFExportError
+from .recover.settings import add_setting_flags, settings_from_flags
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 PRESETS = presets()
@@ -176,41 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--validation-file", "--validation_file", default=None, help="held-out text (default: the end of F)"
     )
-    rec.add_argument(
-        "--length", type=int, default=None, help="training length (default: the original maximum, at most 512)"
-    )
-    rec.add_argument("--max-steps", "--max_steps", type=int, default=500)
-    rec.add_argument("--batch-size", "--batch_size", type=int, default=8)
-    rec.add_argument(
-        "--learning-rate", "--learning_rate", type=float, default=None,
-        help="default: 1e-5 causal, 1e-4 encoders (the preset); 2e-4 (--preset paper); x 20 with LoRA",
-    )  # fmt: skip
-    rec.add_argument("--lm-weight", "--lm_weight", type=float, default=0.0, help="share of the LM/MLM loss (0..1)")
-    rec.add_argument("--temperature", type=float, default=1.0, help="KL temperature (causal LMs)")
-    rec.add_argument("--hidden-layers", "--hidden_layers", choices=("last", "all"), default="last")
-    rec.add_argument("--warm-start-steps", "--warm_start_steps", type=int, default=0)
-    rec.add_argument("--attention-only-steps", "--attention_only_steps", type=int, default=0)
-    rec.add_argument("--eval-every", "--eval_every", type=int, default=None, help="default: max steps / 4")
-    rec.add_argument("--heads", type=int, default=None, help="number of heads (must match the config; checked)")
-    rec.add_argument(
-        "--encoder-variant", choices=ENCODER_VARIANTS, default=None, help="bidirectional bias (default symmetric)"
-    )
-    rec.add_argument(
-        "--preset", default="pretrained", help="conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"
-    )
-    add_option_flags(rec)
-    rec.add_argument(
-        "--fit-slopes", "--fit_slopes", action=argparse.BooleanOptionalAction, default=None,
-        help="slopes fitted per layer and head by SRC on the training text (default: with a preset)",
-    )  # fmt: skip
-    rec.add_argument("--lora-rank", "--lora_rank", type=int, default=0, help="LoRA rank (0: train every weight)")
-    rec.add_argument(
-        "--max-eval-length", "--max_eval_length", type=int, default=2048, help="longest agreement length (tokens)"
-    )
-    rec.add_argument("--save-steps", "--save_steps", type=int, default=None, help="Trainer checkpoint every N steps")
+    add_setting_flags(rec)  # every recovery setting with a flag, the conversion options' among them
     rec.add_argument("--checkpoint-dir", "--checkpoint_dir", default=None, help="default: OUT.checkpoints")
-    rec.add_argument("--resume-from-checkpoint", "--resume_from_checkpoint", default=None, metavar="CHECKPOINT")
-    rec.add_argument("--seed", type=int, default=0)
     rec.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
     gguf = commands.add_parser("export-gguf", help="write a converted checkpoint as GGUF for llama.cpp")
@@ -271,6 +239,10 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.command == "recover":
         _check_file(args.train_file, "--train-file")
         _check_file(args.validation_file, "--validation-file")
+        try:  # each setting's own check (those that need the model's config: the job's, before it loads)
+            settings_from_flags(args)
+        except ValueError as error:
+            raise CliError(str(error)) from None
     if args.command == "export-gguf":
         check_source(args.src)
         out = Path(args.out)
@@ -310,15 +282,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(f"Pushed {out} to https://huggingface.co/{args.push_to_hub}")
         elif args.command == "recover":
             out, result = recover_checkpoint(
-                args.src, args.out, args.train_file, validation_file=args.validation_file,
-                overwrite=args.overwrite, length=args.length, max_steps=args.max_steps,
-                batch_size=args.batch_size, learning_rate=args.learning_rate, lm_weight=args.lm_weight,
-                temperature=args.temperature, hidden_layers=args.hidden_layers, heads=args.heads,
-                encoder_variant=args.encoder_variant, warm_start_steps=args.warm_start_steps,
-                attention_only_steps=args.attention_only_steps, eval_every=args.eval_every, seed=args.seed,
-                preset=args.preset, fit_slopes=args.fit_slopes, lora_rank=args.lora_rank,
-                max_eval_length=args.max_eval_length, save_steps=args.save_steps, checkpoint_dir=args.checkpoint_dir,
-                resume_from_checkpoint=args.resume_from_checkpoint, **{name: getattr(args, name) for name in OPTIONS},
+                args.src, args.out, args.train_file, validation_file=args.validation_file, overwrite=args.overwrite,
+                checkpoint_dir=args.checkpoint_dir, settings=settings_from_flags(args),
             )  # fmt: skip
             print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":

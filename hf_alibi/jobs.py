@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -30,9 +31,12 @@ from .core.settings import AlibiSettings
 from .core.slopes import scaled_slopes_list
 from .fit import fit_slopes
 from .hub.folder import write_converted
-from .patch import OPTIONS, patch_model, settings_for, takes_options
+from .patch import patch_model, settings_for, takes_options
 from .positions import original_length
 from .registry import supported_model_types
+
+if TYPE_CHECKING:
+    from .recover.settings import RecoverySettings
 
 
 @takes_options
@@ -110,10 +114,12 @@ def recover_checkpoint(
     validation_file: str | os.PathLike | None = None,
     overwrite: bool = False,
     checkpoint_dir: str | os.PathLike | None = None,
-    **settings: Any,
+    settings: RecoverySettings | None = None,
+    **overrides: Any,
 ):
     """What ``hf-alibi recover SRC OUT --train_file F`` does: load the original checkpoint ``src``, convert
-    a copy, distil (:func:`hf_alibi.recover.recover`, ``settings`` are its keyword arguments), and write ``out`` as a
+    a copy, distil (:func:`hf_alibi.recover.recover` with ``settings``, a :class:`~hf_alibi.recover.RecoverySettings`,
+    and ``overrides``, settings by name over it), and write ``out`` as a
     normal converted checkpoint (weights, config with the ALiBi settings, remote code, tokenizer) whose
     model card says how it was recovered, plus ``recovery.json`` (settings and agreement history).
     With ``save_steps`` the Trainer's checkpoints go to ``checkpoint_dir`` (default ``OUT.checkpoints``, kept
@@ -126,12 +132,12 @@ def recover_checkpoint(
     loaded or trained: OUT is checked and its staging folder made first.
 
     Example:
-        >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", max_steps=300)
+        >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", settings=RecoverySettings(max_steps=300))
     """
     # on use: hf_alibi.recover loads transformers' Trainer, which the other jobs do not need
     from .recover.api import recover
     from .recover.blocks import read_texts, token_stream
-    from .recover.settings import check_settings, check_text_length, resolve_lengths
+    from .recover.settings import check_settings, check_text_length, recovery_settings, resolve_lengths
     from .recover.summary import recovery_card_section
 
     out = Path(out)
@@ -144,21 +150,19 @@ def recover_checkpoint(
         )
     original = original_length(config_dict)
     try:  # every setting, before the tokenizer or the model loads: the teacher's limit is in config.json
-        check_settings(original, **settings)
-        lengths = resolve_lengths(original, settings.get("length"), max_eval_length=settings.get("max_eval_length"))
+        settings = recovery_settings(settings, **overrides)
+        if settings.save_steps or settings.resume_from_checkpoint is not None:  # the Trainer's checkpoints go there
+            settings = replace(settings, output_dir=str(checkpoint_dir or out.with_name(out.name + ".checkpoints")))
+        check_settings(original, settings)
+        lengths = resolve_lengths(original, settings.length, max_eval_length=settings.max_eval_length)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    preset = settings.get("preset", "pretrained")  # recover's default
-    options = {name: settings[name] for name in OPTIONS if settings.get(name) is not None}
+    preset = None if settings.preset == "paper" else settings.preset
     _conversion_settings(  # the conversion's checks too, before anything loads
-        src, config_dict, settings.get("heads"), settings.get("encoder_variant"),
-        None if preset == "paper" else preset, options,
-    )  # fmt: skip
-    resume = settings.get("resume_from_checkpoint")
-    if resume is not None:
-        settings["resume_from_checkpoint"] = _checkpoint_to_resume(resume)
-    if settings.get("save_steps") or resume is not None:
-        settings["output_dir"] = str(checkpoint_dir or out.with_name(out.name + ".checkpoints"))
+        src, config_dict, settings.heads, settings.encoder_variant, preset, settings.conversion_options()
+    )
+    if settings.resume_from_checkpoint is not None:
+        settings = replace(settings, resume_from_checkpoint=_checkpoint_to_resume(settings.resume_from_checkpoint))
     model_cls = model_class_for(config_dict)
     texts = read_texts(train_file)
     eval_texts = read_texts(validation_file) if validation_file is not None else None
@@ -189,7 +193,7 @@ def recover_checkpoint(
                 f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}"
             ) from error
         try:
-            result = recover(teacher, stream, tokenizer, eval_texts=eval_stream, **settings)
+            result = recover(teacher, stream, tokenizer, settings, eval_texts=eval_stream)
         except CheckpointError:
             raise
         except ValueError as error:

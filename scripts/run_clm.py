@@ -68,12 +68,14 @@ from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
 from hf_alibi.gguf import OUTTYPES, check_exportable
 from hf_alibi.positions import original_length
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
+from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
 from hf_alibi.training import LengthScalingTrainer, scaled_shape
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+@with_distill_fields  # the DistillationTrainer's settings as --distill_<name>: declared once, in RecoverySettings
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "Checkpoint to start from (local)."})
     model_type: str | None = field(default=None, metadata={"help": "Train from scratch: e.g. gpt2, gpt_neox."})
@@ -97,15 +99,6 @@ class ModelArguments:
             "help": "With --model_name_or_path and --alibi: distil the original checkpoint into the converted one."
         },
     )
-    distill_lm_weight: float = field(default=0.0, metadata={"help": "Share of the LM loss in the distillation loss."})
-    distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the distillation KL."})
-    distill_hidden_layers: str = field(default="last", metadata={"help": "Hidden-state loss layers: last or all."})
-    distill_warm_start_steps: int = field(
-        default=0, metadata={"help": "Fade the original position table to zero over these first steps."}
-    )
-    distill_attention_only_steps: int = field(
-        default=0, metadata={"help": "Train only the attention weights during these first steps."}
-    )
     export_gguf: str | None = field(
         default=None,
         metadata={"help": "At the end, write output_dir/model-TYPE.gguf for llama.cpp (TYPE: f32, f16, bf16, q8_0)."},
@@ -120,6 +113,7 @@ class ModelArguments:
             raise ValueError(
                 "--distill_from_original needs --model_name_or_path (the original, the teacher) and --alibi."
             )
+        distill_settings_of(self)  # each --distill_ setting's own check (RecoverySettings), before anything loads
         if self.export_gguf is not None and self.export_gguf not in OUTTYPES:
             raise ValueError(f"--export_gguf takes one of {', '.join(OUTTYPES)}, got {self.export_gguf!r}.")
 
@@ -421,11 +415,7 @@ def main():
             **common,
             teacher=teacher,
             kind=model_kind(teacher),
-            lm_weight=model_args.distill_lm_weight,
-            temperature=model_args.distill_temperature,
-            hidden_layers=model_args.distill_hidden_layers,
-            warm_start_steps=model_args.distill_warm_start_steps,
-            attention_only_steps=model_args.distill_attention_only_steps,
+            **distill_settings_of(model_args).distillation_arguments(),
         )
     else:
         trainer = LengthScalingTrainer(**common, train_sequence_length_scaling=data_args.train_sequence_length_scaling)

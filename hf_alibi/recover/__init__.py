@@ -29,33 +29,54 @@ Modules (each one job; everything public is re-exported here):
 - ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
 - ``metrics``: agreement with the teacher at 1x..8x the original length;
 - ``blocks``: text files, the token stream, training blocks;
+- ``settings``: :class:`RecoverySettings`, every setting of :func:`recover` declared once (its flag, its check),
+  the bounded lengths; it imports neither torch nor transformers, so ``hf-alibi recover``'s parser reads it;
 - ``api``: :func:`recover` and :class:`RecoveryResult`; ``summary``: the model card's recovery section;
 - what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.jobs.recover_checkpoint`.
 
 Example:
-    >>> from hf_alibi.recover import recover
-    >>> result = recover(original_model, texts, tokenizer, max_steps=200)   # original_model is not changed
+    >>> from hf_alibi.recover import RecoverySettings, recover
+    >>> result = recover(original_model, texts, tokenizer, RecoverySettings(max_steps=200))  # model not changed
+    >>> result = recover(original_model, texts, tokenizer, max_steps=200)   # the same: keywords override
     >>> result.student.save_pretrained("recovered")                         # a normal converted checkpoint
     >>> result.history[-1]                                                  # agreement at 1x, 2x, 4x, 8x
+
+The names below are loaded from their modules on first use (as :mod:`hf_alibi.hub`'s): importing
+``hf_alibi.recover.settings`` (the command line's parser does) loads neither torch nor transformers.
 """
 
-from ..positions import original_length
-from .api import RecoveryResult, recover
-from .blocks import read_texts, token_stream
-from .kinds import (
-    CAUSAL_MODEL,
-    ENCODER_MODEL,
-    HIDDEN_LAYERS,
-    MODEL_KINDS,
-    SEQ2SEQ_MODEL,
-    model_kind,
-)
-from .losses import distillation_loss, hidden_state_mse, kl_next_token
-from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl
-from .summary import recovery_card_section, write_recovery_card
-from .trainer import DistillationTrainer
-from .warm_start import PositionWarmStart
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+_SUBMODULES = ("api", "blocks", "kinds", "lora", "losses", "metrics", "settings", "summary", "trainer", "warm_start")
+_HOMES = {
+    "original_length": "..positions",
+    "RecoveryResult": ".api",
+    "recover": ".api",
+    "read_texts": ".blocks",
+    "token_stream": ".blocks",
+    "CAUSAL_MODEL": ".kinds",
+    "ENCODER_MODEL": ".kinds",
+    "MODEL_KINDS": ".kinds",
+    "SEQ2SEQ_MODEL": ".kinds",
+    "model_kind": ".kinds",
+    "HIDDEN_LAYERS": ".settings",
+    "RecoverySettings": ".settings",
+    "distillation_loss": ".losses",
+    "hidden_state_mse": ".losses",
+    "kl_next_token": ".losses",
+    "agreement": ".metrics",
+    "embedding_cosine": ".metrics",
+    "format_agreement": ".metrics",
+    "mean_pooled": ".metrics",
+    "next_token_kl": ".metrics",
+    "recovery_card_section": ".summary",
+    "write_recovery_card": ".summary",
+    "DistillationTrainer": ".trainer",
+    "PositionWarmStart": ".warm_start",
+}
 __all__ = [
     "CAUSAL_MODEL",
     "ENCODER_MODEL",
@@ -64,6 +85,7 @@ __all__ = [
     "SEQ2SEQ_MODEL",
     "DistillationTrainer",
     "PositionWarmStart",
+    "RecoverySettings",
     "RecoveryResult",
     "agreement",
     "distillation_loss",
@@ -81,3 +103,28 @@ __all__ = [
     "token_stream",
     "write_recovery_card",
 ]
+
+if TYPE_CHECKING:
+    from ..positions import original_length
+    from .api import RecoveryResult, recover
+    from .blocks import read_texts, token_stream
+    from .kinds import CAUSAL_MODEL, ENCODER_MODEL, MODEL_KINDS, SEQ2SEQ_MODEL, model_kind
+    from .losses import distillation_loss, hidden_state_mse, kl_next_token
+    from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl
+    from .settings import HIDDEN_LAYERS, RecoverySettings
+    from .summary import recovery_card_section, write_recovery_card
+    from .trainer import DistillationTrainer
+    from .warm_start import PositionWarmStart
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:  # hf_alibi.recover.api without importing it first, as when this file imported them all
+        return importlib.import_module(f".{name}", __name__)
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home, __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES, *_SUBMODULES})

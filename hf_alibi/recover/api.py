@@ -16,18 +16,18 @@ from transformers.trainer_callback import PrinterCallback
 from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..fit import fit_slopes
-from ..patch import is_alibi_model, patch_model, settings_for, takes_options
+from ..patch import is_alibi_model, patch_model, settings_for
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
-from .kinds import CAUSAL_MODEL, ENCODER_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
+from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
 from .settings import (
-    EVAL_FACTORS,
-    MAX_EVAL_LENGTH,
+    RecoverySettings,
     check_settings,
     check_text_length,
     default_learning_rate,
+    recovery_settings,
     resolve_lengths,
 )
 from .trainer import DistillationTrainer
@@ -62,41 +62,15 @@ class _AgreementCallback(TrainerCallback):
             self.evaluate(state.global_step)
 
 
-@takes_options
 def recover(
     model: PreTrainedModel,
     texts: Sequence[str] | torch.Tensor,
     tokenizer=None,
+    settings: RecoverySettings | None = None,
     *,
-    length: int | None = None,
-    max_steps: int = 500,
-    batch_size: int = 8,
-    learning_rate: float | None = None,
-    warmup_steps: int | None = None,
-    weight_decay: float = 0.01,
-    lm_weight: float = 0.0,
-    temperature: float = 1.0,
-    hidden_layers: str = "last",
-    heads: int | None = None,
-    encoder_variant: str | None = None,
-    warm_start_steps: int = 0,
-    attention_only_steps: int = 0,
-    preset: str | None = "pretrained",
-    fit_slopes: bool | None = None,
-    lora_rank: int = 0,
     eval_texts: Sequence[str] | torch.Tensor | None = None,
-    eval_fraction: float = 0.05,
-    max_eval_tokens: int = 8192,
-    eval_factors: Sequence[int] = EVAL_FACTORS,
-    max_eval_length: int | None = MAX_EVAL_LENGTH,
-    eval_every: int | None = None,
-    seed: int = 0,
-    progress: bool = True,
     log: Callable[[str], None] | None = print,
-    output_dir: str | None = None,
-    save_steps: int | None = None,
-    resume_from_checkpoint: str | bool | None = None,
-    **options,
+    **overrides: Any,
 ) -> RecoveryResult:
     """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
 
@@ -109,32 +83,14 @@ def recover(
             each block (and each input of the agreement figures) carries the special tokens ``tokenizer``
             adds to a text (``[CLS] ... [SEP]``: :func:`~hf_alibi.recover.blocks.special_frame`), as the model
             reads its inputs; causal LMs read the stream as it is.
-        length: training length; default ``min(original maximum, 512)`` (:func:`original_length`; the cap
-            is printed when it bites). More than the original maximum is refused (the teacher cannot run there).
-        max_steps, batch_size, learning_rate, warmup_steps (default 5% of the steps), weight_decay: AdamW
-            with a cosine schedule, through the Trainer. ``learning_rate`` defaults by how close the conversion
-            starts (:func:`~hf_alibi.recover.settings.default_learning_rate`): with the preset 1e-5 for causal
-            LMs, 1e-4 for encoders and encoder-decoders; 2e-4 with the paper's conversion; x 20 with LoRA.
-        lm_weight: share of the ordinary LM / MLM loss in the loss (0: distillation only).
-        temperature, hidden_layers: see :func:`distillation_loss`.
-        heads, encoder_variant, preset: passed to :func:`hf_alibi.patch_model`; ``preset`` defaults to
-            ``"pretrained"`` (its values live in :data:`hf_alibi.patch.PRESETS`); ``"paper"`` or None: the
-            paper's method. The conversion options (``sinks``, ``slope_scale``, ...: :func:`hf_alibi.patch_model`'s)
-            are passed to it too, checked before any work.
-        fit_slopes: give the conversion slopes fitted per layer and head by the teacher on the first
-            ``min(original maximum, 1024)`` training tokens (:func:`hf_alibi.fit_slopes`) instead of the preset's
-            uniform scale. Default: with a preset and no ``slopes`` / ``slope_scale`` given, on the models it can
-            fit (decoder-only and encoders).
-        lora_rank: 0 trains every weight; ``R > 0`` trains LoRA adapters of rank R on the attention and MLP
-            projections only, merged into the weights at the end (the student is a normal converted model).
-        warm_start_steps, attention_only_steps: the levers (module docstring).
-        eval_every: agreement every this many steps (default ``max_steps // 4``), also at 0 and at the end,
-            on at most ``max_eval_tokens`` held-out tokens, at ``length`` and ``eval_factors`` x ``length`` up to
-            ``max_eval_length`` (None: no cap; the lengths left out are printed).
-        output_dir, save_steps, resume_from_checkpoint: Trainer checkpoints every ``save_steps`` steps in
-            ``output_dir``, and a run resumed from one (a ``checkpoint-N`` folder, or True: the last in
-            ``output_dir``) ends where the uninterrupted run would.
-        progress: the Trainer's progress bar; ``log``: where the agreement lines go (None: nowhere).
+        settings: every setting of the recovery, a :class:`~hf_alibi.recover.RecoverySettings` (default: its
+            defaults); each field's help there (``length``, ``max_steps``, ``learning_rate``, ``preset``,
+            ``fit_slopes``, ``lora_rank``, the levers, the agreement lengths, the Trainer's checkpoints, and the
+            conversion options ``sinks``, ``slope_scale``, ...: :func:`hf_alibi.patch_model`'s).
+        eval_texts: held-out text for the agreement figures (default: the end of ``texts``).
+        log: where the agreement lines go (None: nowhere).
+        **overrides: settings by name, over ``settings`` (``recover(model, texts, tokenizer, max_steps=300)``);
+            an unknown name is a ``TypeError`` that lists the known ones.
 
     Returns:
         :class:`RecoveryResult`; ``result.student.save_pretrained(folder)`` writes a normal converted
@@ -145,25 +101,22 @@ def recover(
             or bad settings; raised before any training.
 
     Example:
-        >>> result = recover(AutoModelForCausalLM.from_pretrained("my-gpt2"), texts, tokenizer, max_steps=300)
+        >>> settings = RecoverySettings(max_steps=300, lora_rank=16)
+        >>> result = recover(AutoModelForCausalLM.from_pretrained("my-gpt2"), texts, tokenizer, settings)
         >>> result.final["ppl"], result.final["ppl_8x"]
     """
     # 1. every check, before any work (the one place: _check)
-    original, kind, preset = _check(
-        model, preset, heads, encoder_variant, options, hidden_layers=hidden_layers, eval_fraction=eval_fraction,
-        eval_texts=eval_texts, warm_start_steps=warm_start_steps, length=length, max_steps=max_steps,
-        batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay,
-        lm_weight=lm_weight, temperature=temperature, attention_only_steps=attention_only_steps,
-        eval_every=eval_every, lora_rank=lora_rank, max_eval_length=max_eval_length,
-        max_eval_tokens=max_eval_tokens, save_steps=save_steps, output_dir=output_dir,
-    )  # fmt: skip
+    settings = recovery_settings(settings, **overrides)  # each field's own check
+    original, kind, preset = _check(model, settings, eval_texts)
+    learning_rate = settings.learning_rate
     if learning_rate is None:
-        learning_rate = default_learning_rate(kind, preset, lora_rank)
+        learning_rate = default_learning_rate(kind, preset, settings.lora_rank)
     try:
-        lengths = resolve_lengths(original, length, eval_factors, max_eval_length)
+        lengths = resolve_lengths(original, settings.length, settings.eval_factors, settings.max_eval_length)
     except ValueError as error:
         raise ValueError(f"{model.config.model_type}: {error}") from None
     length, eval_factors = lengths.length, lengths.factors
+    max_steps, batch_size, options = settings.max_steps, settings.batch_size, settings.conversion_options()
     say = log or (lambda _: None)
     for note in lengths.notes:
         _write(f"[recover] {note}", say)
@@ -172,15 +125,19 @@ def recover(
     # reads a stream, as it was trained.
     frame = special_frame(tokenizer) if kind != CAUSAL_MODEL else NO_FRAME
     train_stream, blocks, eval_stream = _split_text(
-        texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, length, frame
+        texts, tokenizer, eval_texts, settings.eval_fraction, settings.max_eval_tokens, length, frame
     )
     # 3. the student: a converted copy (slopes fitted by the teacher, where asked)
     teacher = model
-    slopes = _fitted_slopes(teacher, train_stream, frame, preset, fit_slopes, heads, encoder_variant, options)
+    slopes = _fitted_slopes(
+        teacher, train_stream, frame, preset, settings.fit_slopes, settings.heads, settings.encoder_variant, options
+    )
     student = copy.deepcopy(teacher).requires_grad_(True)
     fitted = {} if slopes is None else {"slopes": slopes}  # none fitted: the options' (or the preset's)
-    patch_model(student, heads=heads, encoder_variant=encoder_variant, preset=preset, **{**options, **fitted})
-    trained = add_lora(student, lora_rank) if lora_rank else student
+    patch_model(
+        student, heads=settings.heads, encoder_variant=settings.encoder_variant, preset=preset, **{**options, **fitted}
+    )
+    trained = add_lora(student, settings.lora_rank) if settings.lora_rank else student
     # 4. distil, with the agreement at the start, every eval_every steps and at the end
     history: list[dict[str, Any]] = []
     tokens_per_step = batch_size * length
@@ -194,16 +151,10 @@ def recover(
     teacher_state = (teacher.training, [p.requires_grad for p in teacher.parameters()])
     teacher.eval()
     evaluate(0)
-    trainer, scratch = _trainer(
-        trained, teacher, blocks, tokenizer, kind, evaluate, output_dir=output_dir, max_steps=max_steps,
-        batch_size=batch_size, learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay,
-        save_steps=save_steps, seed=seed, progress=progress, lm_weight=lm_weight, temperature=temperature,
-        hidden_layers=hidden_layers, warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
-        eval_every=eval_every,
-    )  # fmt: skip
+    trainer, scratch = _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings, learning_rate)
     start = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        trainer.train(resume_from_checkpoint=settings.resume_from_checkpoint)
     finally:
         if scratch is not None:
             scratch.cleanup()
@@ -218,7 +169,7 @@ def recover(
     info = {
         "teacher": name_or_path(teacher.config) or type(teacher).__name__,
         "kind": kind,
-        "loss": _loss_name(kind, hidden_layers, lm_weight, temperature),
+        "loss": _loss_name(kind, settings.hidden_layers, settings.lm_weight, settings.temperature),
         "steps": max_steps,
         "batch_size": batch_size,
         "length": length,
@@ -229,10 +180,10 @@ def recover(
         "learning_rate": learning_rate,
         "preset": preset or "paper",
         "slopes": _slopes_note(slopes, preset),
-        "lora_rank": lora_rank,
+        "lora_rank": settings.lora_rank,
         "eval_lengths": [f * length for f in eval_factors],
-        "warm_start_steps": warm_start_steps,
-        "attention_only_steps": attention_only_steps,
+        "warm_start_steps": settings.warm_start_steps,
+        "attention_only_steps": settings.attention_only_steps,
         "encoder_variant": get_settings(student.config).encoder_variant,
         "eval_tokens": int(eval_stream.numel()),
         "train_seconds": round(seconds, 1),
@@ -240,10 +191,10 @@ def recover(
     return RecoveryResult(student=student, history=history, info=info)
 
 
-def _check(model, preset, heads, encoder_variant, options: dict, **settings) -> tuple[int | None, str, str | None]:
-    """Every check of :func:`recover`'s arguments, before any work: one-line ``ValueError`` (``TypeError`` for a
-    model that is no transformers model). Returns the original length, the model's kind and the preset (None:
-    the paper's conversion)."""
+def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, str, str | None]:
+    """Every check of :func:`recover`'s arguments past each setting's own (:class:`RecoverySettings`), before any
+    work: one-line ``ValueError`` (``TypeError`` for a model that is no transformers model). Returns the original
+    length, the model's kind and the preset (None: the paper's conversion)."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
     if is_alibi_model(model):
@@ -251,17 +202,12 @@ def _check(model, preset, heads, encoder_variant, options: dict, **settings) -> 
             "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
             "it was converted from."
         )
-    hidden_layers = settings.pop("hidden_layers")
-    if hidden_layers not in HIDDEN_LAYERS:
-        raise ValueError(f"hidden_layers must be one of {HIDDEN_LAYERS}, got {hidden_layers!r}.")
     original = original_length(model)
-    eval_fraction, eval_texts = settings.pop("eval_fraction"), settings.pop("eval_texts")
-    check_settings(original, preset=preset, **settings)
-    if not 0 < eval_fraction < 1 and eval_texts is None:
-        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
-    preset = None if preset == "paper" else preset
-    settings_for(model.config, heads, encoder_variant, preset=preset, **options)  # the conversion's checks
-    if settings["warm_start_steps"] and position_table(model) is None:
+    check_settings(original, settings)  # those that need the teacher's length, or several settings at once
+    preset = None if settings.preset == "paper" else settings.preset
+    options = settings.conversion_options()
+    settings_for(model.config, settings.heads, settings.encoder_variant, preset=preset, **options)  # conversion's
+    if settings.warm_start_steps and position_table(model) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {model.config.model_type} has none "
             "(rotary or relative positions). Use warm_start_steps=0."
@@ -284,41 +230,39 @@ def _split_text(texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, le
     return train_stream, blocks, eval_stream
 
 
-def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, *, output_dir, max_steps, batch_size,
-             learning_rate, warmup_steps, weight_decay, save_steps, seed, progress, lm_weight, temperature,
-             hidden_layers, warm_start_steps, attention_only_steps, eval_every):  # fmt: skip
-    """The Trainer that distils ``teacher`` into ``trained``, and the temporary folder it writes to when
-    ``output_dir`` is None (else None): the caller removes it."""
+def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: RecoverySettings, learning_rate: float):
+    """The Trainer that distils ``teacher`` into ``trained`` with ``settings`` (``learning_rate``: theirs, or the
+    default for this model), and the temporary folder it writes to when ``settings.output_dir`` is None (else None):
+    the caller removes it."""
+    lm_weight, max_steps, output_dir = settings.lm_weight, settings.max_steps, settings.output_dir
     labels = lm_weight > 0 and kind != ENCODER_MODEL
     collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER_MODEL else default_data_collator
     scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_recover_") if output_dir is None else None
     args = TrainingArguments(
         output_dir=output_dir or scratch.name,
         max_steps=max_steps,
-        per_device_train_batch_size=batch_size,
+        per_device_train_batch_size=settings.batch_size,
         learning_rate=learning_rate,
-        warmup_steps=max(1, max_steps // 20) if warmup_steps is None else warmup_steps,
+        warmup_steps=max(1, max_steps // 20) if settings.warmup_steps is None else settings.warmup_steps,
         lr_scheduler_type="cosine",
-        weight_decay=weight_decay,
+        weight_decay=settings.weight_decay,
         max_grad_norm=1.0,
         logging_steps=max(1, max_steps // 10),
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
+        save_strategy="steps" if settings.save_steps else "no",
+        save_steps=settings.save_steps or 500,
         report_to="none",
-        seed=seed,
-        disable_tqdm=not progress,
+        seed=settings.seed,
+        disable_tqdm=not settings.progress,
         remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
     )
-    every = max_steps // 4 if eval_every is None else eval_every
+    every = max_steps // 4 if settings.eval_every is None else settings.eval_every
     trainer = DistillationTrainer(
         model=trained, args=args, train_dataset=Blocks(blocks, labels), data_collator=collator, teacher=teacher,
-        kind=kind, lm_weight=lm_weight, temperature=temperature, hidden_layers=hidden_layers,
-        warm_start_steps=warm_start_steps, attention_only_steps=attention_only_steps,
-        callbacks=[_AgreementCallback(evaluate, every)],
+        kind=kind, callbacks=[_AgreementCallback(evaluate, every)], **settings.distillation_arguments(),
     )  # fmt: skip
-    if not progress:
+    if not settings.progress:
         trainer.remove_callback(PrinterCallback)
     return trainer, scratch
 

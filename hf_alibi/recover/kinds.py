@@ -7,10 +7,10 @@ from transformers import PreTrainedModel
 from ..core.config import get_settings
 from ..patch import is_alibi_model
 from ..registry import get_architecture
+from .settings import HIDDEN_LAYERS  # noqa: F401  (re-exported: declared beside the hidden_layers setting)
 
 CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL = "causal", "encoder", "seq2seq"
 MODEL_KINDS = (CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL)
-HIDDEN_LAYERS = ("last", "all")
 
 
 def model_kind(model: PreTrainedModel) -> str:

@@ -403,11 +403,12 @@ def test_the_sink_fold_in_every_dtype_against_the_reference(dtype, masked):
 def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_json():
     """An option is declared once (a field of AlibiSettings made with core.config.option); everything else is
     read from the declaration. Each declared option, given a value that is not its default, reaches each place."""
+    import dataclasses
     import inspect
 
     from hf_alibi import cli
     from hf_alibi.core.settings import AlibiSettings, conversion_options, describe_options, slope_list
-    from hf_alibi.recover import recover
+    from hf_alibi.recover import RecoverySettings
 
     options = conversion_options()
     assert [f.name for f in options] == [
@@ -416,9 +417,12 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
     samples = {int: "3", float: "3.5", slope_list: "0.5,0.25,0.125,1"}
     commands = ["convert SRC OUT", "recover SRC OUT --train-file F"]
     for option in options:
-        for function in (hf_alibi.patch_model, hf_alibi.patch.settings_for, recover):
+        for function in (hf_alibi.patch_model, hf_alibi.patch.settings_for):
             parameter = inspect.signature(function).parameters[option.name]
             assert (parameter.kind, parameter.default) == (inspect.Parameter.KEYWORD_ONLY, None), function
+        # recover() takes its settings as one object (issue 34.4), the options among its fields, and by keyword
+        assert {f.name: f.default for f in dataclasses.fields(RecoverySettings)}[option.name] is None
+        assert option.name in inspect.signature(RecoverySettings).parameters
         text = samples[option.metadata["parse"]]
         for command in commands:
             flag = "--" + option.name.replace("_", "-")
