@@ -91,8 +91,8 @@ def _hidden_layers(name: str, value: Any) -> None:
 
 
 def _known_preset(name: str, value: Any) -> None:
-    if value not in (None, "paper") and value not in presets():
-        raise ValueError(f"Unknown preset {value!r}; known: {sorted(presets())} or 'paper' (--preset).")
+    if value is not None and value not in presets():  # "paper" among them: the paper's method
+        raise ValueError(f"Unknown preset {value!r}; known: {sorted(presets())} (--preset).")
 
 
 def _fraction(name: str, value: Any) -> None:

@@ -107,7 +107,7 @@ def test_a_new_field_becomes_a_flag(monkeypatch):
         (dict(lm_weight=1.5), "lm_weight must be between 0 and 1 (the share of the LM loss), got 1.5 (--lm_weight)."),
         (dict(weight_decay=-0.1), "weight_decay must be >= 0, got -0.1 (--weight_decay)."),
         (dict(hidden_layers="first"), "hidden_layers must be one of ('last', 'all'), got 'first'."),
-        (dict(preset="fast"), "Unknown preset 'fast'; known: ['pretrained'] or 'paper' (--preset)."),
+        (dict(preset="fast"), "Unknown preset 'fast'; known: ['paper', 'pretrained'] (--preset)."),
         (dict(eval_fraction=1.0), "eval_fraction must be between 0 and 1, got 1.0."),
         (dict(eval_factors=(1, 0)), "eval_factors must be integers >= 1 (multiples of length), got (1, 0)."),
     ],
