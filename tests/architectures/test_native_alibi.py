@@ -15,6 +15,7 @@ import copy
 import json
 import math
 
+import flash_standin
 import pytest
 import torch
 import transformers
@@ -26,6 +27,8 @@ from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 import hf_alibi
+from hf_alibi.core import flash
+from hf_alibi.core.compat import store_attn_implementation
 from hf_alibi.core.dispatch import FOLD_MIN_QUERIES
 from hf_alibi.native import is_native
 
@@ -273,3 +276,28 @@ def test_saved_folder_is_the_original_format_and_plain_transformers_loads_it(cas
     reloaded = hf_alibi.patch_model(transformers.AutoModelForCausalLM.from_pretrained(folder).eval())
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, ours, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.model_type != "mpt"], ids=lambda c: c.name)
+def test_flash_through_alibi_slopes_is_close_to_transformers(case, monkeypatch):
+    # the kernels stood in on the CPU from flash-attn's documented contract (tests/flash_standin.py), in bf16
+    kernels = (flash_standin.flash_attn_func, flash_standin.flash_attn_varlen_func)
+    monkeypatch.setattr(flash, "flash_kernels", lambda device: kernels)
+    original, model = patched(case)
+    ids = random_ids(2, 40)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        expected = original(ids, attention_mask=mask).logits
+        store_attn_implementation(model.config, "flash_attention_2")  # transformers' setter wants flash-attn
+        got = model.to(torch.bfloat16)(ids, attention_mask=mask).logits.float()
+    assert {a.alibi.last_path for a in attentions(model)} == {"flash"}
+    real = mask.bool()
+    assert (got - expected)[real].abs().max().item() < 0.05 * expected[real].abs().max().item()
+
+
+def test_mpt_refuses_flash_in_one_line():
+    _, model = patched(CASES[2])
+    with pytest.raises(ValueError, match="'sdpa', 'eager' or 'flex_attention'") as error:
+        model.set_attn_implementation("flash_attention_2")
+    assert "\n" not in str(error.value) and model.config._attn_implementation == "sdpa"
