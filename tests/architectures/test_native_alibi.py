@@ -21,7 +21,7 @@ import torch
 import transformers
 from arch_cases import MAX_LEN, NativeCase
 from arch_cases import NATIVE_CASES as CASES
-from sharing import run_child
+from sharing import run_child, run_cli
 from tiny import VOCAB, random_ids
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
@@ -301,3 +301,15 @@ def test_mpt_refuses_flash_in_one_line():
     with pytest.raises(ValueError, match="'sdpa', 'eager' or 'flex_attention'") as error:
         model.set_attn_implementation("flash_attention_2")
     assert "\n" not in str(error.value) and model.config._attn_implementation == "sdpa"
+
+
+def test_info_says_a_saved_folder_is_natively_alibi(tmp_path, capsys):
+    _, model = patched(CASES[2])
+    model.save_pretrained(tmp_path / "mpt")
+    code, out, _ = run_cli("info", tmp_path / "mpt", capsys=capsys)
+    assert code == 0 and "a mpt model trained with ALiBi (natively ALiBi: nothing to convert)" in out
+    CASES[2].make(attn_config=dict(alibi=False)).save_pretrained(tmp_path / "plain")
+    code, out, _ = run_cli("info", tmp_path / "plain", "--json", capsys=capsys)
+    assert code == 0 and json.loads(out)["native_alibi"] is False
+    code, _, err = run_cli("convert", tmp_path / "mpt", tmp_path / "out", capsys=capsys)
+    assert code == 2 and "trained with ALiBi: there is nothing to convert" in err
