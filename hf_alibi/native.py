@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core.bias import AlibiBias
+from .core.compat import is_exporting
 from .core.mask import MaskCache
 from .core.modeling import ForwardSetup, before_forward
 from .core.names import alibi_name, check_backend
@@ -63,8 +64,10 @@ class NativeArchitecture:
     kv_heads: str | None = None  # Falcon: a config field that must be None or the head count (no grouped K/V)
     # Falcon builds a (B, H, q, kv) float mask from its own bias when this base-model attribute is true: turned off
     base_bias_switch: str | None = None
-    # MPT casts transformers' mask to bool in its forward (sdpa's None crashes there): it is given a 4D bool mask
+    # The base model is handed hf_alibi's 4D boolean mask (:func:`boolean_causal_mask`): MPT casts transformers' mask
+    # to bool (sdpa's None crashes there), Falcon always materialises it (the fold then cannot use its fastest form)
     boolean_mask: bool = False
+    flash: bool = True  # whether flash-attn can run (it takes transformers' 2D mask; MPT's cast refuses that)
     strategy: str = NATIVE
 
     def uses_alibi(self, config) -> bool:
@@ -154,6 +157,7 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0)
     if row.boolean_mask:
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
+        base._native_flash = row.flash
     if base is not model:  # the masks live for one forward: the base's end releases them too (a direct call)
         base.register_forward_hook(masks.release)
     config = model.config
@@ -174,6 +178,9 @@ class NativeAlibiAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         row = self._native_row
         values = {**dict(zip(self._native_arguments, args)), **kwargs}
+        mask = values.get("attention_mask")
+        if row.boolean_mask and is_causal_mark(mask):
+            mask = None  # causality is all that masks: the backends' causal case (the fold's fastest form)
         batch, length, _ = hidden_states.shape
         heads, head_dim = self.alibi.num_heads, self.head_dim
         fused = getattr(self, row.qkv)(hidden_states)  # (B, L, 3 H d)
@@ -194,7 +201,7 @@ class NativeAlibiAttention(nn.Module):
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
         attention = ALL_ATTENTION_FUNCTIONS[alibi_name(self.config._attn_implementation)]
         output, weights = attention(
-            self, query, key, value, values.get("attention_mask"),
+            self, query, key, value, mask,
             scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0,
         )  # fmt: skip
         output = getattr(self, row.output)(output.reshape(batch, length, heads * head_dim))
@@ -245,12 +252,19 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
             if isinstance(name, str):
                 check_backend(name)
-                if row.boolean_mask and name.startswith("flash"):
+                if not row.flash and name.startswith("flash"):
                     raise ValueError(
                         f"hf_alibi runs {row.model_type} with attn_implementation 'sdpa', 'eager' or 'flex_attention' "
                         f"({row.model_type}'s forward casts its mask to a 4D boolean one, which {name} cannot take)."
                     )
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        # generate_batch and `transformers serve --continuous-batching` start here: refused before any request runs
+        raise ValueError(
+            f"Continuous batching cannot run {row.model_type}: transformers' {row.model_type} forward asks its cache "
+            "for a length that the paged cache does not have (it fails with or without hf_alibi). Use generate()."
+        )
 
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
@@ -258,9 +272,10 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         {
             "forward": forward,
             "set_attn_implementation": set_attn_implementation,
+            "init_continuous_batching": init_continuous_batching,
             "_supports_sdpa": True,
             "_supports_flex_attn": True,
-            "_supports_flash_attn": not row.boolean_mask,
+            "_supports_flash_attn": row.flash,
             "_can_set_attn_implementation_cached_value": True,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,
@@ -272,11 +287,19 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
 
 
 def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """MPT's forward casts transformers' mask to bool (its eager mask, True where masked; sdpa's ``None``, the
-    causal case, would crash): it is given the 4D mask instead, ``(B, 1, q, kv)``, True where a query attends (the
-    sdpa form every hf_alibi path takes), made from the 2D padding mask and the cache's length. A 4D mask passes."""
+    """The mask a native row's base model is handed (its forward pre-hook), ``(B, 1, q, kv)``, True where a query
+    attends (the sdpa form every hf_alibi path takes), made from the 2D padding mask and the cache's length.
+
+    MPT casts transformers' mask to bool (its eager mask, True where masked; sdpa's ``None``, the causal case, would
+    crash) and Falcon always materialises it, so neither can say "causal only": where nothing else masks (no padding,
+    no cached keys) the mask is a broadcast view of True (:func:`is_causal_mark`, no memory), which the attention reads
+    as no mask (not while traced: a graph may copy the view). A 4D mask passes, and so does everything on flash (it
+    takes transformers' 2D mask).
+    """
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return args, kwargs
+    if getattr(module, "_native_flash", False) and str(module.config._attn_implementation).startswith("flash"):
         return args, kwargs
     if args:  # transformers calls with keywords; a caller's positional input ids are bound here
         names = list(inspect.signature(type(module).forward).parameters)[1:]
@@ -287,6 +310,12 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, length = tokens.shape[:2]
     past = int(cache.get_seq_length()) if cache is not None else 0
+    # traced (torch.compile, export): the full mask, since a graph may materialise the view (and must not branch on
+    # the mask's values)
+    tracing = is_exporting()
+    if not tracing and past == 0 and (mask is None or bool(mask.all())):
+        kwargs["attention_mask"] = _CAUSAL_MARK.to(tokens.device).expand(batch, 1, length, length)
+        return args, kwargs
     keys = torch.arange(past + length, device=tokens.device)
     allowed = keys[None, :] <= keys[past:, None]  # (q, kv): causal, the queries after the cached keys
     allowed = allowed[None, None].expand(batch, 1, length, past + length)
@@ -294,3 +323,11 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
         allowed = allowed & mask[:, None, None, -(past + length) :].to(torch.bool)
     kwargs["attention_mask"] = allowed
     return args, kwargs
+
+
+_CAUSAL_MARK = torch.ones((), dtype=torch.bool)
+
+
+def is_causal_mark(mask) -> bool:
+    """Whether ``mask`` is :func:`boolean_causal_mask`'s broadcast True (every stride 0): "causal, nothing else"."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool and not any(mask.stride())

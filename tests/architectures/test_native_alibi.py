@@ -313,3 +313,35 @@ def test_info_says_a_saved_folder_is_natively_alibi(tmp_path, capsys):
     assert code == 0 and json.loads(out)["native_alibi"] is False
     code, _, err = run_cli("convert", tmp_path / "mpt", tmp_path / "out", capsys=capsys)
     assert code == 2 and "trained with ALiBi: there is nothing to convert" in err
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=lambda c: c.name)
+def test_continuous_batching_is_refused_before_any_request(case):
+    # transformers' own forward of each of the three asks the cache for its length, which the paged cache has not
+    _, model = patched(case)
+    config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(ValueError, match="Continuous batching cannot run") as error:
+        model.generate_batch([[1, 2, 3]], generation_config=config)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=lambda c: c.name)
+def test_lora_on_the_fused_qkv_trains_as_on_transformers(case):
+    peft = pytest.importorskip("peft")
+    original, model = patched(case)
+    reference = case.reference(original, 24)
+    target = hf_alibi.get_native_architecture(case.model_type).qkv
+    adapted = []
+    for m in (reference, model):
+        torch.manual_seed(5)  # the same LoRA initialisation in both
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[target], init_lora_weights=False)
+        adapted.append(peft.get_peft_model(m, lora).train())
+    ids = random_ids(2, 24)
+    losses = [m(input_ids=ids, labels=ids).loss for m in adapted]
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-5)
+    for loss in losses:
+        loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in adapted]
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 4  # A and B of 2 layers
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
