@@ -27,6 +27,7 @@ from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.mask import MaskCache
 from .core.modeling import ForwardSetup, before_forward
+from .core.modeling import _bound_arguments as bound_arguments
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
@@ -71,6 +72,7 @@ class NativeArchitecture:
     strategy: str = NATIVE
 
     def uses_alibi(self, config) -> bool:
+        """Whether a model of ``config`` (a config or its dict) was trained with ALiBi (``alibi_flag``)."""
         return self.alibi_flag is None or bool(_config_value(config, self.alibi_flag))
 
 
@@ -301,10 +303,8 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
         return args, kwargs
     if getattr(module, "_native_flash", False) and str(module.config._attn_implementation).startswith("flash"):
         return args, kwargs
-    if args:  # transformers calls with keywords; a caller's positional input ids are bound here
-        names = list(inspect.signature(type(module).forward).parameters)[1:]
-        kwargs = {**dict(zip(names, args)), **kwargs}
-        args = ()
+    if args:  # positional input ids (the task models pass them so) bound by name, the names read once per class
+        kwargs, args = bound_arguments(module, args, kwargs), ()
     tokens = kwargs.get("input_ids")
     tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
