@@ -60,6 +60,7 @@ class NativeArchitecture:
     clip: str | None = None  # MPT: the module's clip_qkv (clamps the fused QKV when set)
     residual: bool = False  # BLOOM: the module adds its output, dropped out by hidden_dropout, to ``residual``
     bias_before_scaling: bool = False  # Falcon: (q.k + bias) * scale, so the slopes are scaled too
+    slope_dtype: str | None = None  # Falcon: the torch dtype its code rounds the slopes to ("bfloat16")
     alibi_flag: str | None = None  # the config field that says the model uses ALiBi (None: always)
     requires: tuple[tuple[str, Any], ...] = ()  # config fields whose other values this row cannot match
     kv_heads: str | None = None  # Falcon: a config field that must be None or the head count (no grouped K/V)
@@ -85,7 +86,8 @@ def _config_value(config, dotted: str):
 
 def native_slopes(row: NativeArchitecture, config, scaling: float) -> list[float]:
     """The slopes of a ``row`` model of ``config``, as the bias added after ``q k^T * scaling``: the row's formula,
-    times ``scaling`` where the model adds its bias before the scaling (Falcon).
+    rounded to ``row.slope_dtype`` where the model rounds them, times ``scaling`` where the model adds its bias before
+    the scaling (Falcon).
 
     >>> native_slopes(NativeArchitecture("falcon", "h.*.self_attention", "query_key_value", "dense",
     ...     bias_before_scaling=True), FalconConfig(num_attention_heads=4, hidden_size=16), 0.5)  # doctest: +SKIP
@@ -96,6 +98,8 @@ def native_slopes(row: NativeArchitecture, config, scaling: float) -> list[float
         slopes = mpt_slopes_list(heads, float(_config_value(config, row.bias_max)))
     else:
         slopes = get_slopes_list(heads)
+    if row.slope_dtype is not None:  # Falcon rounds its slopes to bf16 (exact for 8 or fewer heads, not for 32)
+        slopes = torch.tensor(slopes).to(getattr(torch, row.slope_dtype)).double().tolist()
     return [s * scaling for s in slopes] if row.bias_before_scaling else slopes
 
 

@@ -337,7 +337,7 @@ class NativeCase:
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 _BLOOM = dict(_COMMON, hidden_size=48, n_layer=2, hidden_dropout=0.0, attention_dropout=0.0)
 _MPT = dict(_COMMON, d_model=48, n_layers=2, max_seq_len=MAX_LEN, emb_pdrop=0.0, resid_pdrop=0.0)
-_FALCON = dict(
+FALCON_RW = dict(
     _COMMON, hidden_size=48, num_hidden_layers=2, alibi=True, multi_query=False, new_decoder_architecture=False,
     parallel_attn=False, bias=True, hidden_dropout=0.0, attention_dropout=0.0,
 )  # fmt: skip
@@ -351,7 +351,9 @@ NATIVE_CASES = [
         "mpt",
         dict(_MPT, n_heads=4, attn_config=dict(alibi=True, alibi_bias_max=8, clip_qkv=0.5, softmax_scale=0.3)),
     ),
-    NativeCase("falcon-rw-4", "falcon", dict(_FALCON, num_attention_heads=4, hidden_size=32)),
-    NativeCase("falcon-rw-6", "falcon", dict(_FALCON, num_attention_heads=6)),
-    NativeCase("falcon-rw-6-parallel", "falcon", dict(_FALCON, num_attention_heads=6, parallel_attn=True, bias=False)),
+    NativeCase("falcon-rw-4", "falcon", dict(FALCON_RW, num_attention_heads=4, hidden_size=32)),
+    NativeCase("falcon-rw-6", "falcon", dict(FALCON_RW, num_attention_heads=6)),
+    NativeCase(
+        "falcon-rw-6-parallel", "falcon", dict(FALCON_RW, num_attention_heads=6, parallel_attn=True, bias=False)
+    ),
 ]

@@ -19,11 +19,12 @@ import flash_standin
 import pytest
 import torch
 import transformers
-from arch_cases import MAX_LEN, NativeCase
+from arch_cases import FALCON_RW, MAX_LEN, NativeCase
 from arch_cases import NATIVE_CASES as CASES
 from sharing import run_child, run_cli
 from tiny import VOCAB, random_ids
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+from transformers.models.falcon.modeling_falcon import build_alibi_tensor as falcon_alibi
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 import hf_alibi
@@ -84,10 +85,10 @@ def _transformers_slopes(case: NativeCase, model) -> list[float]:
     if case.model_type == "mpt":
         bias_max = model.config.attn_config.alibi_bias_max
         return (-build_mpt_alibi_tensor(heads, 2, bias_max)[:, 0, 0]).tolist()  # the bias of key 0, 1 back
-    slopes = _get_alibi_slopes(heads, torch.device("cpu"))
-    if case.model_type == "falcon":  # Falcon adds it before 1 / sqrt(head_dim)
-        slopes = slopes / math.sqrt(model.config.hidden_size // heads)
-    return slopes.tolist()
+    if case.model_type == "falcon":  # its own bias (slopes rounded to bf16) of key 1, added before 1 / sqrt(head_dim)
+        slopes = falcon_alibi(torch.ones(1, 2, dtype=torch.long), heads, torch.float32).view(heads, 2)[:, 1]
+        return (slopes.double() / math.sqrt(model.config.hidden_size // heads)).tolist()
+    return _get_alibi_slopes(heads, torch.device("cpu")).tolist()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -345,3 +346,22 @@ def test_lora_on_the_fused_qkv_trains_as_on_transformers(case):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 4  # A and B of 2 layers
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# falcon-rw-1b's head count: slopes 2^(-h/4), not powers of two, which Falcon's code rounds to bf16
+FALCON_32 = NativeCase("falcon-rw-32", "falcon", dict(FALCON_RW, num_attention_heads=32, hidden_size=64))
+
+
+def test_falcon_32_heads_slopes_are_falcons_bf16_ones_and_only_its_bias_rounding_differs():
+    # transformers' Falcon computes each key's bias as bf16(bf16(m) * j): the slopes' rounding is data hf_alibi
+    # keeps (the slopes below equal Falcon's own exactly), the product's rounding (up to 2^-9 of m * j) is not, so the
+    # logits differ by that much, growing with length (measured: 1e-4 at 4 tokens, 9e-4 at 12, 4e-3 at 40)
+    original, model = patched(FALCON_32)
+    expected = _transformers_slopes(FALCON_32, model)
+    assert list(attentions(model)[0].alibi.slope_values) == pytest.approx(expected, rel=1e-12)
+    unrounded = [s / math.sqrt(2) for s in hf_alibi.get_slopes_list(32)]  # head_dim 2
+    assert max(abs(a - b) / b for a, b in zip(unrounded, expected)) > 1e-3  # the rounding is real at 32 heads
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        error = (model(ids).logits - original(ids).logits).abs().max().item()
+    assert error < 2e-3
