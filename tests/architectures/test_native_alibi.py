@@ -197,7 +197,7 @@ def test_compiled_fullgraph_equals_transformers(case):
     ids = random_ids(1, 20)
     with torch.no_grad():
         expected = case.reference(original, 20)(ids).logits
-        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(ids).logits, expected, rtol=0, atol=2e-5)
 
 
