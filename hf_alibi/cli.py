@@ -79,6 +79,11 @@ def _print_info(info: dict) -> None:
         print(f"  converted by hf_alibi {info['hf_alibi_version']}")
         remote = "yes" if info["remote_code"] and info.get("remote_code_file", True) else "no"
         print(f"  loadable without hf_alibi (trust_remote_code=True): {remote}")
+    elif info.get("native_alibi"):
+        print(
+            f"{info['path']}: a {info['model_type']} model trained with ALiBi (natively ALiBi: nothing to convert); "
+            "hf_alibi runs its attention as it is: hf_alibi.patch_model(AutoModelForCausalLM.from_pretrained(PATH))."
+        )
     else:
         can = "can" if info["convertible"] else "cannot"
         print(

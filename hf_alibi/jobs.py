@@ -33,7 +33,7 @@ from .fit import fit_slopes
 from .hub.folder import write_converted
 from .patch import patch_model, settings_for, takes_options
 from .positions import original_length
-from .registry import supported_model_types
+from .registry import get_native_architecture, supported_model_types
 
 if TYPE_CHECKING:
     from .recover.settings import RecoverySettings
@@ -266,6 +266,8 @@ def checkpoint_info(path: str) -> dict:
             info["learned_slopes"] = learned_slopes(path) if is_local(path) else None
     else:
         info["convertible"] = model_type in supported_model_types()
+        native = get_native_architecture(model_type)  # trained with ALiBi: run as it is, not converted
+        info["native_alibi"] = native is not None and native.uses_alibi(config_dict)
     if is_local(path):
         info["tokenizer"] = has_tokenizer(path)
     return info

@@ -22,8 +22,9 @@ from .core.modeling import check_fits, check_sinks_fit, convert
 from .core.settings import FITTED, AlibiSettings, FittedSlopes, OriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
+from .native import NativeArchitecture, patch_native
 from .positions import original_length
-from .registry import alibi_classes, get_architecture
+from .registry import alibi_classes, get_architecture, get_native_architecture
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 # Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets). "pretrained":
@@ -192,8 +193,14 @@ def patch_model(
         ``save_pretrained`` writes ``model_type="alibi_<type>"`` and, after ``import hf_alibi``,
         ``AutoModel*.from_pretrained`` rebuilds the same model. Every weight that is not removed is kept.
 
+        A model trained with ALiBi (:func:`hf_alibi.native_model_types`: BLOOM, MPT with ``attn_config.alibi``,
+        Falcon-RW with ``alibi=True``) is not converted: its config, type and weights stay, and only its attention
+        moves onto hf_alibi's paths (``sdpa`` by default, the fold), with the model's own slopes; it takes no
+        options, and ``save_pretrained`` writes the original format (see ``hf_alibi.native``).
+
         Args:
-            model: a model of a registered architecture (:func:`hf_alibi.supported_model_types`).
+            model: a model of a registered architecture (:func:`hf_alibi.supported_model_types`) or one trained
+                with ALiBi (:func:`hf_alibi.native_model_types`).
             heads: number of attention heads; must equal the config's (checked, since slopes are
                 computed for it). Defaults to the config's.
             encoder_variant: bias of bidirectional self-attention (``"symmetric"``, the default;
@@ -222,6 +229,10 @@ def patch_model(
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}.")
     config = model.config
+    native = get_native_architecture(config.model_type)
+    if native is not None:  # trained with ALiBi: nothing converted, its attention moved (hf_alibi.native)
+        _check_native_arguments(native, config, heads, encoder_variant, preset, options)
+        return patch_native(model, native)
     if is_alibi_config(config):
         raise ValueError(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
@@ -241,6 +252,22 @@ def patch_model(
         fold_position_mean(model.base_model, row.position, settings.position_mean)
     convert(model, settings, row, alibi_cls)
     return model
+
+
+def _check_native_arguments(row: NativeArchitecture, config, heads, encoder_variant, preset, options: dict) -> None:
+    """One-line ``ValueError`` for an argument of :func:`patch_model` that means nothing for a model trained with
+    ALiBi: it keeps its own slopes, heads and causal attention."""
+    given = [name for name, value in options.items() if value is not None]
+    given += ["preset"] * (preset not in (None, "paper")) + ["encoder_variant"] * (encoder_variant is not None)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} do(es) not apply to {row.model_type}: it was trained with ALiBi and keeps its own "
+            f"slopes. Call hf_alibi.patch_model(model) without options."
+        )
+    if heads is not None and heads != config.num_attention_heads:
+        raise ValueError(
+            f"heads={heads} does not match the model's {config.num_attention_heads} attention heads. Omit heads."
+        )
 
 
 def _options_doc() -> str:

@@ -25,13 +25,17 @@ from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.modeling import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .patches import absolute, relative, rotary
+from .native import NativeArchitecture
+from .patches import absolute, native, relative, rotary
 
 MODELS_MODULE = "hf_alibi.models"
 # The built-in rows, as hf_alibi.patches lists them (one module per strategy).
 ARCHITECTURES: dict[str, Architecture] = {
     row.model_type: row for row in (*absolute.ROWS, *relative.ROWS, *rotary.ROWS)
 }
+# The model types trained with ALiBi (hf_alibi.patches.native): nothing to convert, patch_model runs their attention
+# on hf_alibi's paths (hf_alibi.native); they keep their config class and type, so nothing is registered for them.
+NATIVE_ARCHITECTURES: dict[str, NativeArchitecture] = {row.model_type: row for row in native.ROWS}
 
 # model_type -> Alibi<Config> (made at registration); model_type -> {transformers class: Alibi class}
 # (made when the row is first used)
@@ -60,6 +64,25 @@ def supported_model_types() -> list[str]:
     return sorted(REGISTERED)
 
 
+def native_model_types() -> list[str]:
+    """The ``model_type`` values trained with ALiBi that :func:`hf_alibi.patch_model` runs on hf_alibi's attention
+    without converting them (their config and type stay).
+
+    >>> hf_alibi.native_model_types()  # doctest: +SKIP
+    ['bloom', 'falcon', 'mpt']
+    """
+    return sorted(NATIVE_ARCHITECTURES)
+
+
+def get_native_architecture(model_type: str) -> NativeArchitecture | None:
+    """The row of a model type trained with ALiBi (BLOOM, MPT, Falcon), or ``None``.
+
+    >>> hf_alibi.get_native_architecture("mpt").slopes  # doctest: +SKIP
+    'mpt'
+    """
+    return NATIVE_ARCHITECTURES.get(model_type)
+
+
 def get_architecture(model_type: str) -> Architecture:
     """The registered row of ``model_type``, or a ``ValueError`` that names the supported types.
 
@@ -67,10 +90,16 @@ def get_architecture(model_type: str) -> Architecture:
     'absolute'
     """
     row = find_architecture(model_type)
+    if row is None and model_type in NATIVE_ARCHITECTURES:
+        raise ValueError(
+            f"model_type={model_type!r} was trained with ALiBi: there is nothing to convert. Load it with "
+            "transformers and call hf_alibi.patch_model(model) (no options) to run its attention on hf_alibi's paths."
+        )
     if row is None:
         raise ValueError(
             f"hf_alibi cannot convert model_type={model_type!r}. Supported model types: "
-            f"{', '.join(supported_model_types())}. To add one, describe it in a row and call "
+            f"{', '.join(supported_model_types())} (trained with ALiBi, run as they are: "
+            f"{', '.join(native_model_types())}). To add one, describe it in a row and call "
             "hf_alibi.register_architecture(hf_alibi.Architecture(model_type=..., strategy=...))."
         )
     return row

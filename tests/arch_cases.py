@@ -7,8 +7,10 @@ sequential residuals). ``test_architectures.py`` checks that the model types her
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import transformers
@@ -21,6 +23,7 @@ from reference import (
     t5_reference_logits,
 )
 from tiny import VOCAB, random_ids, tiny_gpt2
+from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 from hf_alibi.core.slopes import ENCODER_VARIANTS
 
@@ -296,3 +299,61 @@ VARIANT_PARAMS = [(case, variant) for case in CASES for variant in case.variants
 VARIANT_IDS = [f"{case.name}-{variant}" if variant else case.name for case, variant in VARIANT_PARAMS]
 FULL_VARIANT_PARAMS = [(case, variant) for case, variant in VARIANT_PARAMS if case.full]
 FULL_VARIANT_IDS = [name for name, (case, _) in zip(VARIANT_IDS, VARIANT_PARAMS) if case.full]
+
+
+# The models trained with ALiBi (hf_alibi.native_model_types(): run, not converted), for
+# tests/architectures/test_native_alibi.py; MPT's max_seq_len is MAX_LEN.
+@dataclass(frozen=True)
+class NativeCase:
+    name: str
+    model_type: str
+    config: dict
+
+    def make(self, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+        config_cls = transformers.CONFIG_MAPPING[self.model_type]
+        model_cls = getattr(
+            transformers, transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.model_type]
+        )
+        torch.manual_seed(seed)
+        return model_cls(config_cls(**{**self.config, **overrides})).eval()
+
+    def reference(self, model: transformers.PreTrainedModel, length: int) -> transformers.PreTrainedModel:
+        """transformers' own model with ``model``'s weights (unpatched), able to run ``length`` tokens."""
+        if self.model_type != "mpt":
+            return model
+        config = copy.deepcopy(model.config)
+        config.max_seq_len = max(length, config.max_seq_len)  # MPT's own code builds its bias at this length
+        reference = type(model)(config).eval()
+        reference.load_state_dict(model.state_dict())
+        bias_max = config.attn_config.alibi_bias_max
+        if bias_max != 8:  # transformers drops the config's value (see the module docstring): give it back
+            build = partial(build_mpt_alibi_tensor, alibi_bias_max=bias_max)
+            reference.transformer.build_mpt_alibi_tensor = lambda heads, length, *a, device=None, **k: build(
+                heads, length, device=device
+            )
+        return reference
+
+
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_BLOOM = dict(_COMMON, hidden_size=48, n_layer=2, hidden_dropout=0.0, attention_dropout=0.0)
+_MPT = dict(_COMMON, d_model=48, n_layers=2, max_seq_len=MAX_LEN, emb_pdrop=0.0, resid_pdrop=0.0)
+FALCON_RW = dict(
+    _COMMON, hidden_size=48, num_hidden_layers=2, alibi=True, multi_query=False, new_decoder_architecture=False,
+    parallel_attn=False, bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+)  # fmt: skip
+NATIVE_CASES = [
+    NativeCase("bloom-4", "bloom", dict(_BLOOM, n_head=4, hidden_size=32)),
+    NativeCase("bloom-6", "bloom", dict(_BLOOM, n_head=6)),
+    NativeCase("mpt-6-max8", "mpt", dict(_MPT, n_heads=6, attn_config=dict(alibi=True, alibi_bias_max=8))),
+    NativeCase("mpt-6-max4", "mpt", dict(_MPT, n_heads=6, attn_config=dict(alibi=True, alibi_bias_max=4))),
+    NativeCase(
+        "mpt-4-clip-scale",
+        "mpt",
+        dict(_MPT, n_heads=4, attn_config=dict(alibi=True, alibi_bias_max=8, clip_qkv=0.5, softmax_scale=0.3)),
+    ),
+    NativeCase("falcon-rw-4", "falcon", dict(FALCON_RW, num_attention_heads=4, hidden_size=32)),
+    NativeCase("falcon-rw-6", "falcon", dict(FALCON_RW, num_attention_heads=6)),
+    NativeCase(
+        "falcon-rw-6-parallel", "falcon", dict(FALCON_RW, num_attention_heads=6, parallel_attn=True, bias=False)
+    ),
+]

@@ -154,3 +154,20 @@ def alibi_bias(
         allowed = torch.where(sees_left, distance >= 0, distance <= 0)
         bias = bias.masked_fill(~allowed, masked_value)
     return bias
+
+
+def mpt_slopes_list(n_heads: int, bias_max: float = 8.0) -> list[float]:
+    """MPT's slopes (MosaicML's ``gen_slopes``, transformers' ``build_mpt_alibi_tensor``), as Python floats.
+
+    ``m_h = 2^(-h * bias_max / n2)`` for ``h = 1..n2``, ``n2`` the next power of two ``>= n_heads``; for a head
+    count that is not a power of two the list is reordered ``odd positions, then even ones`` and cut to ``n_heads``
+    (not the paper's order). With ``bias_max = 8`` and a power of two, the paper's slopes.
+
+    >>> mpt_slopes_list(6)
+    [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
+    """
+    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+        raise ValueError(f"ALiBi needs a positive integer number of heads, got {n_heads!r}.")
+    n2 = 2 ** math.ceil(math.log2(n_heads))
+    slopes = [2.0 ** (-h * bias_max / n2) for h in range(1, n2 + 1)]
+    return (slopes[1::2] + slopes[::2])[:n_heads] if n2 != n_heads else slopes

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import transformers
-from arch_cases import CASES
+from arch_cases import CASES, NATIVE_CASES
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import hf_alibi
@@ -41,8 +41,8 @@ def test_every_rotary_row_is_a_rotary_model_of_transformers():
 def test_patches_the_registry_and_the_test_cases_list_the_same_architectures():
     modules = {info.name: importlib.import_module(f"hf_alibi.patches.{info.name}")
                for info in pkgutil.iter_modules(hf_alibi.patches.__path__)}  # fmt: skip
-    assert sorted(modules) == ["absolute", "relative", "rotary"]
-    rows = [row for module in modules.values() for row in module.ROWS]
+    assert sorted(modules) == ["absolute", "native", "relative", "rotary"]
+    rows = [row for name, module in modules.items() if name != "native" for row in module.ROWS]
     types = sorted(row.model_type for row in rows)
     assert len(types) == len(set(types)), types  # no type in two rows
     assert types == hf_alibi.supported_model_types() == sorted({case.model_type for case in CASES})
@@ -50,6 +50,12 @@ def test_patches_the_registry_and_the_test_cases_list_the_same_architectures():
         assert {row.strategy for row in module.ROWS} == {name}
     for row in rows:
         assert hf_alibi.get_architecture(row.model_type) is row
+    # the models trained with ALiBi: run as they are (hf_alibi.native), their own table of cases
+    native = sorted(row.model_type for row in modules["native"].ROWS)
+    assert native == hf_alibi.native_model_types() == sorted({case.model_type for case in NATIVE_CASES})
+    assert not set(native) & set(types)
+    for row in modules["native"].ROWS:
+        assert hf_alibi.get_native_architecture(row.model_type) is row
 
 
 if __name__ == "__main__":

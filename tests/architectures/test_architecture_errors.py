@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from arch_cases import CASE_IDS, CASES
+from arch_cases import CASE_IDS, CASES, NATIVE_CASES
 
 import hf_alibi
 from hf_alibi.core.slopes import CAUSAL
@@ -47,6 +47,8 @@ def test_wrong_heads_is_an_error_and_changes_nothing(case):
 
 def test_unknown_model_type_names_every_registered_one():
     listed = re.escape(", ".join(sorted({case.model_type for case in CASES})))
+    native = ", ".join(sorted({case.model_type for case in NATIVE_CASES}))
+    listed += re.escape(f" (trained with ALiBi, run as they are: {native})")
     with pytest.raises(ValueError, match=listed + r"\. To add one.*register_architecture"):
         hf_alibi.get_architecture("mamba")
 

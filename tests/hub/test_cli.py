@@ -20,7 +20,7 @@ from sharing import (
     run_child,
     run_cli,
 )
-from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM, GPTJConfig, GPTJForCausalLM
 
 import hf_alibi
 from hf_alibi import checkpoints, cli
@@ -188,7 +188,13 @@ def _no_config(src):
 def _unsupported(src):
     for path in src.iterdir():
         path.unlink()
-    BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2)).save_pretrained(src)  # native ALiBi
+    GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=16, n_head=2, rotary_dim=4)).save_pretrained(src)  # no row
+
+
+def _native(src):
+    for path in src.iterdir():
+        path.unlink()
+    BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2)).save_pretrained(src)  # trained with ALiBi
 
 
 def _already_alibi(src):
@@ -204,10 +210,11 @@ def _already_alibi(src):
         (_break_config, "not valid JSON"),
         (_break_weights, "Could not load the model from SRC"),
         (_no_config, "has no config.json"),
-        (_unsupported, "cannot convert model_type='bloom'. Supported model types: " + ", ".join(SUPPORTED)),
+        (_unsupported, "cannot convert model_type='gptj'. Supported model types: " + ", ".join(SUPPORTED)),
+        (_native, "model_type='bloom' was trained with ALiBi: there is nothing to convert"),
         (_already_alibi, "already an ALiBi checkpoint"),
     ],
-    ids=["corrupt-config", "corrupt-weights", "no-config", "unsupported", "already-alibi"],
+    ids=["corrupt-config", "corrupt-weights", "no-config", "unsupported", "native", "already-alibi"],
 )
 def test_bad_source_is_a_clear_error_and_nothing_is_written(gpt2_src, tmp_path, capsys, damage, message):
     damage(gpt2_src)

@@ -1,0 +1,337 @@
+"""Models trained with ALiBi (BLOOM, MPT, Falcon-RW), run on hf_alibi's attention paths.
+
+transformers runs these three on their own attention code: eager only, a ``(B*H, q, kv)`` score tensor per layer,
+MPT's bias built at ``max_seq_len`` (longer inputs crash). Nothing of them is converted here: every weight, the
+config and its ``model_type`` stay as they are (``save_pretrained`` writes the original format). Only each
+self-attention module changes, on this instance: its class becomes a subclass whose forward splits the fused QKV in
+the model's layout, updates the cache and calls transformers' attention interface (``alibi_<backend>``), with an
+:class:`~hf_alibi.core.bias.AlibiBias` carrying the model's own slopes. What differs between the three is data, a
+:class:`NativeArchitecture` row (``hf_alibi.patches.native``): where the fused QKV is and how it is laid out, which
+slopes, and whether the bias is added before the scaling (Falcon), which scales the slopes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .core.bias import AlibiBias
+from .core.compat import is_exporting
+from .core.mask import MaskCache
+from .core.modeling import ForwardSetup, before_forward
+from .core.modeling import _bound_arguments as bound_arguments
+from .core.names import alibi_name, check_backend
+from .core.slopes import CAUSAL, get_slopes_list, mpt_slopes_list
+from .core.strategies import find_modules
+
+NATIVE = "native"  # the strategy name of these rows: nothing is converted
+PER_HEAD, BLOCKS = "per_head", "blocks"  # fused QKV as (H, 3, d) per token (BLOOM, Falcon) or (3, H, d) (MPT)
+PAPER, MPT = "paper", "mpt"  # slope formulas: the paper's (any head count), MPT's (bias max, its own order)
+
+
+@dataclass(frozen=True)
+class NativeArchitecture:
+    """A model type trained with ALiBi, as plain data read by :func:`patch_native`.
+
+    Paths start at the base model; attribute names are those of the model's self-attention module.
+
+    >>> NativeArchitecture("bloom", "h.*.self_attention", "query_key_value", "dense").layout
+    'per_head'
+    """
+
+    model_type: str
+    attention: str  # the self-attention modules ("*": every layer)
+    qkv: str  # the fused q, k, v projection
+    output: str  # the output projection
+    layout: str = PER_HEAD
+    slopes: str = PAPER
+    bias_max: str | None = None  # MPT: the config field of its bias max (the slopes' exponent)
+    scaling: str = "inv_norm_factor"  # the module's scale of q.k
+    dropout: str = "attention_dropout"  # the module's attention dropout (an nn.Dropout or its probability)
+    cache: str = "layer_past"  # the forward's cache argument
+    clip: str | None = None  # MPT: the module's clip_qkv (clamps the fused QKV when set)
+    residual: bool = False  # BLOOM: the module adds its output, dropped out by hidden_dropout, to ``residual``
+    bias_before_scaling: bool = False  # Falcon: (q.k + bias) * scale, so the slopes are scaled too
+    slope_dtype: str | None = None  # Falcon: the torch dtype its code rounds the slopes to ("bfloat16")
+    alibi_flag: str | None = None  # the config field that says the model uses ALiBi (None: always)
+    requires: tuple[tuple[str, Any], ...] = ()  # config fields whose other values this row cannot match
+    kv_heads: str | None = None  # Falcon: a config field that must be None or the head count (no grouped K/V)
+    # Falcon builds a (B, H, q, kv) float mask from its own bias when this base-model attribute is true: turned off
+    base_bias_switch: str | None = None
+    # The base model is handed hf_alibi's 4D boolean mask (:func:`boolean_causal_mask`): MPT casts transformers' mask
+    # to bool (sdpa's None crashes there), Falcon always materialises it (the fold then cannot use its fastest form)
+    boolean_mask: bool = False
+    flash: bool = True  # whether flash-attn can run (it takes transformers' 2D mask; MPT's cast refuses that)
+    strategy: str = NATIVE
+
+    def uses_alibi(self, config) -> bool:
+        """Whether a model of ``config`` (a config or its dict) was trained with ALiBi (``alibi_flag``)."""
+        return self.alibi_flag is None or bool(_config_value(config, self.alibi_flag))
+
+
+def _config_value(config, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    return value
+
+
+def native_slopes(row: NativeArchitecture, config, scaling: float) -> list[float]:
+    """The slopes of a ``row`` model of ``config``, as the bias added after ``q k^T * scaling``: the row's formula,
+    rounded to ``row.slope_dtype`` where the model rounds them, times ``scaling`` where the model adds its bias before
+    the scaling (Falcon).
+
+    >>> native_slopes(NativeArchitecture("falcon", "h.*.self_attention", "query_key_value", "dense",
+    ...     bias_before_scaling=True), FalconConfig(num_attention_heads=4, hidden_size=16), 0.5)  # doctest: +SKIP
+    [0.125, 0.03125, 0.0078125, 0.001953125]
+    """
+    heads = config.num_attention_heads
+    if row.slopes == MPT:
+        slopes = mpt_slopes_list(heads, float(_config_value(config, row.bias_max)))
+    else:
+        slopes = get_slopes_list(heads)
+    if row.slope_dtype is not None:  # Falcon rounds its slopes to bf16 (exact for 8 or fewer heads, not for 32)
+        slopes = torch.tensor(slopes).to(getattr(torch, row.slope_dtype)).double().tolist()
+    return [s * scaling for s in slopes] if row.bias_before_scaling else slopes
+
+
+def check_native(model: PreTrainedModel, row: NativeArchitecture) -> None:
+    """One-line ``ValueError`` where ``model`` is not a model the row can run exactly (nothing changed)."""
+    config = model.config
+    if is_native(model):
+        raise ValueError(
+            f"This {row.model_type} model already runs on hf_alibi's attention (patch_model was called on it); "
+            "patch_model changes a model once."
+        )
+    if not row.uses_alibi(config):
+        raise ValueError(
+            f"This {row.model_type} model has {row.alibi_flag}=False: it was not trained with ALiBi, and hf_alibi "
+            f"runs only the ALiBi variant of {row.model_type}. Run it with transformers' own attention."
+        )
+    heads = config.num_attention_heads
+    wanted = [*row.requires, *([(row.kv_heads, heads)] if row.kv_heads else [])]
+    for field, value in wanted:
+        if _config_value(config, field) not in (value, None if field == row.kv_heads else value):
+            raise ValueError(
+                f"hf_alibi runs {row.model_type} with ALiBi as falcon-rw has it ({field}={value!r}); this model has "
+                f"{field}={_config_value(config, field)!r}, a layout it does not match. Use transformers' attention."
+            )
+    for _, _, attention in find_modules(model.base_model, row.attention):
+        width = getattr(attention, row.qkv).weight.shape[0]
+        if width != 3 * heads * attention.head_dim:
+            raise ValueError(
+                f"{type(attention).__name__} projects q, k, v to {width} features, not 3 x {heads} heads x "
+                f"{attention.head_dim}: hf_alibi's {row.model_type} row does not fit this model."
+            )
+
+
+def is_native(model: nn.Module) -> bool:
+    """True when ``model`` (a model trained with ALiBi) runs on hf_alibi's attention (:func:`patch_native`)."""
+    return any(isinstance(module, NativeAlibiAttention) for module in model.modules())
+
+
+def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedModel:
+    """Run ``model``, a model trained with ALiBi, on hf_alibi's attention paths, in place (checked first by
+    :func:`check_native`; ``hf_alibi.patch_model`` calls this for the native rows).
+
+    Every weight and the config's type stay; the model switches from transformers' eager attention to ``sdpa``
+    (hf_alibi's fold: no L x L tensor), unless it is set to return attention weights.
+
+    >>> model = hf_alibi.patch_model(BloomForCausalLM(BloomConfig(n_layer=2, n_head=4)))  # doctest: +SKIP
+    """
+    check_native(model, row)
+    base = model.base_model
+    attentions = [attention for _, _, attention in find_modules(base, row.attention)]
+    masks = MaskCache()
+    for attention in attentions:
+        slopes = native_slopes(row, model.config, float(getattr(attention, row.scaling)))
+        attention.alibi = AlibiBias(CAUSAL, model.config.num_attention_heads, masks=masks, slopes=slopes)
+        if getattr(attention, "config", None) is None:  # where the backend is read (Falcon's modules hold it)
+            attention.config = model.config
+        attention.__class__ = _attention_class(type(attention), row)
+    if row.base_bias_switch is not None:
+        setattr(base, row.base_bias_switch, False)  # the bias is the attention's now
+    model.__class__ = _model_class(type(model), row)
+    model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0)
+    if row.boolean_mask:
+        base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
+        base._native_flash = row.flash
+    if base is not model:  # the masks live for one forward: the base's end releases them too (a direct call)
+        base.register_forward_hook(masks.release)
+    config = model.config
+    if config._attn_implementation in (None, "eager") and not config.output_attentions:
+        config._attn_implementation_internal = "sdpa"
+    return model
+
+
+class NativeAlibiAttention(nn.Module):
+    """The forward of a native row's self-attention module, placed before the model's own class: q, k, v from the
+    fused projection in the row's layout, the cache updated, the attention interface called with the row's scale
+    (``ALL_ATTENTION_FUNCTIONS["alibi_<backend>"]``, the backend being the model config's), the output projected.
+    Returns what the model's own module returns, ``(output, attention weights or None)``."""
+
+    _native_row: NativeArchitecture
+    _native_arguments: tuple[str, ...]  # the original forward's positional parameters after hidden_states
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        row = self._native_row
+        values = {**dict(zip(self._native_arguments, args)), **kwargs}
+        mask = values.get("attention_mask")
+        if row.boolean_mask and is_causal_mark(mask):
+            mask = None  # causality is all that masks: the backends' causal case (the fold's fastest form)
+        batch, length, _ = hidden_states.shape
+        heads, head_dim = self.alibi.num_heads, self.head_dim
+        fused = getattr(self, row.qkv)(hidden_states)  # (B, L, 3 H d)
+        clip = getattr(self, row.clip) if row.clip else None
+        if clip:
+            fused = fused.clamp(min=-clip, max=clip)
+        if row.layout == PER_HEAD:
+            fused = fused.view(batch, length, heads, 3, head_dim)
+            query, key, value = (fused[..., i, :].transpose(1, 2) for i in range(3))  # (B, H, L, d)
+        else:
+            query, key, value = (
+                part.reshape(batch, length, heads, head_dim).transpose(1, 2) for part in fused.chunk(3, dim=-1)
+            )
+        cache = values.get(row.cache)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        dropout = getattr(self, row.dropout)
+        dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
+        attention = ALL_ATTENTION_FUNCTIONS[alibi_name(self.config._attn_implementation)]
+        output, weights = attention(
+            self, query, key, value, mask,
+            scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0,
+        )  # fmt: skip
+        output = getattr(self, row.output)(output.reshape(batch, length, heads * head_dim))
+        if row.residual:
+            output = values["residual"] + F.dropout(output, p=self.hidden_dropout, training=self.training)
+        return output, weights
+
+
+_ATTENTION_CLASSES: dict[tuple[type, NativeArchitecture], type] = {}
+_MODEL_CLASSES: dict[tuple[type, NativeArchitecture], type] = {}
+
+
+def _attention_class(original: type, row: NativeArchitecture) -> type:
+    cls = _ATTENTION_CLASSES.get((original, row))
+    if cls is None:
+        parameters = list(inspect.signature(original.forward).parameters.values())[2:]  # after self, hidden_states
+        names = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        name = "Alibi" + original.__name__
+        cls = _ATTENTION_CLASSES[(original, row)] = type(
+            name,
+            (NativeAlibiAttention, original),
+            {"_native_row": row, "_native_arguments": names, "__module__": __name__, "__qualname__": name},
+        )
+    return cls
+
+
+def _model_class(original: type, row: NativeArchitecture) -> type:
+    # The model's own name, so that save_pretrained writes the original ``architectures``; transformers' flags let
+    # set_attn_implementation reach every backend hf_alibi has a path for (the module's source reads as eager only).
+    cls = _MODEL_CLASSES.get((original, row))
+    if cls is not None:
+        return cls
+
+    @functools.wraps(original.forward)  # the original's signature (transformers and the Trainer inspect it)
+    def forward(self, *args, **kwargs):
+        # in the class, not a hook: PEFT's AdaLoRA calls model.forward past any hook. Position ids that restart
+        # (a packed row) are recorded for this forward, so every path keeps the documents apart
+        setup = self._alibi_forward
+        args, kwargs = before_forward(setup, self, args, kwargs)
+        if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
+            args, kwargs = boolean_causal_mask(self, args, kwargs)
+        try:
+            return super(cls, self).forward(*args, **kwargs)
+        finally:
+            setup.masks.release()
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
+            if isinstance(name, str):
+                check_backend(name)
+                if not row.flash and name.startswith("flash"):
+                    raise ValueError(
+                        f"hf_alibi runs {row.model_type} with attn_implementation 'sdpa', 'eager' or 'flex_attention' "
+                        f"({row.model_type}'s forward casts its mask to a 4D boolean one, which {name} cannot take)."
+                    )
+        return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        # generate_batch and `transformers serve --continuous-batching` start here: refused before any request runs
+        raise ValueError(
+            f"Continuous batching cannot run {row.model_type}: transformers' {row.model_type} forward asks its cache "
+            "for a length that the paged cache does not have (it fails with or without hf_alibi). Use generate()."
+        )
+
+    cls = _MODEL_CLASSES[(original, row)] = type(
+        original.__name__,
+        (original,),
+        {
+            "forward": forward,
+            "set_attn_implementation": set_attn_implementation,
+            "init_continuous_batching": init_continuous_batching,
+            "_supports_sdpa": True,
+            "_supports_flex_attn": True,
+            "_supports_flash_attn": row.flash,
+            "_can_set_attn_implementation_cached_value": True,
+            # engines that run transformers models through their own attention function would drop the bias
+            "_supports_attention_backend": False,
+            "__module__": __name__,
+            "__qualname__": original.__name__,
+        },
+    )
+    return cls
+
+
+def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The mask a native row's base model is handed (its forward pre-hook), ``(B, 1, q, kv)``, True where a query
+    attends (the sdpa form every hf_alibi path takes), made from the 2D padding mask and the cache's length.
+
+    MPT casts transformers' mask to bool (its eager mask, True where masked; sdpa's ``None``, the causal case, would
+    crash) and Falcon always materialises it, so neither can say "causal only": where nothing else masks (no padding,
+    no cached keys) the mask is a broadcast view of True (:func:`is_causal_mark`, no memory), which the attention reads
+    as no mask (not while traced: a graph may copy the view). A 4D mask passes, and so does everything on flash (it
+    takes transformers' 2D mask).
+    """
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return args, kwargs
+    if getattr(module, "_native_flash", False) and str(module.config._attn_implementation).startswith("flash"):
+        return args, kwargs
+    if args:  # positional input ids (the task models pass them so) bound by name, the names read once per class
+        kwargs, args = bound_arguments(module, args, kwargs), ()
+    tokens = kwargs.get("input_ids")
+    tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    batch, length = tokens.shape[:2]
+    past = int(cache.get_seq_length()) if cache is not None else 0
+    # traced (torch.compile, export): the full mask, since a graph may materialise the view (and must not branch on
+    # the mask's values)
+    tracing = is_exporting()
+    if not tracing and past == 0 and (mask is None or bool(mask.all())):
+        kwargs["attention_mask"] = _CAUSAL_MARK.to(tokens.device).expand(batch, 1, length, length)
+        return args, kwargs
+    keys = torch.arange(past + length, device=tokens.device)
+    allowed = keys[None, :] <= keys[past:, None]  # (q, kv): causal, the queries after the cached keys
+    allowed = allowed[None, None].expand(batch, 1, length, past + length)
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, -(past + length) :].to(torch.bool)
+    kwargs["attention_mask"] = allowed
+    return args, kwargs
+
+
+_CAUSAL_MARK = torch.ones((), dtype=torch.bool)
+
+
+def is_causal_mark(mask) -> bool:
+    """Whether ``mask`` is :func:`boolean_causal_mask`'s broadcast True (every stride 0): "causal, nothing else"."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool and not any(mask.stride())
