@@ -41,6 +41,7 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # offset or bias, scaled embeddings or residuals, q/k norms, non-gated MLPs, mixtures of experts, soft-capping)
 REFACT_TYPES = ("llama", "mistral", "qwen2", "smollm3", "seed_oss", "ernie4_5", "phi3", "glm")
 MPT_TYPES = ("gpt2",)
+LLAMA_CPP_NATIVE = ("bloom", "mpt")  # the models trained with ALiBi that llama.cpp's own converter takes
 MAX_ALIBI_BIAS = 8.0  # the paper's slopes: m_h = 2^(-8 h / n) (llama.cpp's m0/m1 rule for other head counts)
 WHAT_EXPORTS = (
     f"GGUF export takes converted {', '.join(REFACT_TYPES)} models without sliding windows (llama.cpp's refact) and "
@@ -104,6 +105,7 @@ def _load(src, tokenizer):
 
     folder = Path(src)
     config = read_config(folder)
+    _refuse_native(config["model_type"], config)
     if not is_alibi(config):
         raise GGUFExportError(f"{folder} is not an ALiBi checkpoint: convert it first (hf-alibi convert).")
     if tokenizer is None:  # before the weights load: GGUF carries the tokenizer, and a folder may lack one
@@ -124,6 +126,7 @@ def check_exportable(model) -> str:
     from .core.config import get_settings, is_alibi_config
 
     config = model.config
+    _refuse_native(config.model_type, config)
     if not is_alibi_config(config):
         raise GGUFExportError("This model is not converted to ALiBi: hf_alibi.patch_model it first.")
     settings = get_settings(config)
@@ -144,6 +147,24 @@ def check_exportable(model) -> str:
         raise GGUFExportError(f"llama.cpp has no ALiBi architecture for {base!r}. {WHAT_EXPORTS}.")
     _check_llama_like(model, base)
     return "refact"
+
+
+def _refuse_native(model_type: str, config) -> None:
+    # BLOOM, MPT, Falcon-RW trained with ALiBi stay in their original format (hf_alibi.native): llama.cpp's own
+    # converter reads BLOOM and MPT folders as they are (its bloom and mpt architectures); its falcon is rotary only
+    from .registry import get_native_architecture
+
+    row = get_native_architecture(model_type)
+    if row is None or not row.uses_alibi(config):
+        return
+    if model_type in LLAMA_CPP_NATIVE:
+        where = "llama.cpp's converter reads its folder as it is (python convert_hf_to_gguf.py FOLDER, from llama.cpp)"
+    else:
+        where = f"llama.cpp has no {model_type} with ALiBi (its {model_type} architecture is rotary): no GGUF for it"
+    raise GGUFExportError(
+        f"This {model_type} model was trained with ALiBi and keeps transformers' own format: {where}. "
+        "hf-alibi export-gguf writes the checkpoints hf_alibi converts."
+    )
 
 
 def _refuse(what: str) -> None:

@@ -317,6 +317,23 @@ def test_info_says_a_saved_folder_is_natively_alibi(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=lambda c: c.name)
+def test_export_gguf_says_what_reads_the_original_format(case, tmp_path, capsys):
+    """The folder stays the original format, which llama.cpp's own converter reads (bloom, mpt); its falcon is
+    rotary only. One line, nothing written, for a saved folder and for the patched model object."""
+    from hf_alibi.gguf import GGUFExportError
+
+    _, model = patched(case)
+    model.save_pretrained(tmp_path / "folder")
+    code, _, err = run_cli("export-gguf", tmp_path / "folder", tmp_path / "m.gguf", capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "trained with ALiBi and keeps transformers' own format" in err
+    expected = "convert_hf_to_gguf.py" if case.model_type in ("bloom", "mpt") else "llama.cpp has no falcon with ALiBi"
+    assert expected in err
+    with pytest.raises(GGUFExportError, match="trained with ALiBi"):
+        hf_alibi.export_gguf(model, tmp_path / "m.gguf", tokenizer=object())
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=lambda c: c.name)
 def test_continuous_batching_is_refused_before_any_request(case):
     # transformers' own forward of each of the three asks the cache for its length, which the paged cache has not
     _, model = patched(case)
