@@ -49,6 +49,9 @@ def test_committed_notebook_is_its_source_executed(source):
     assert not [o for cell in code_cells for o in cell.outputs if o.output_type == "error"]
 
 
+# slow tier: the five notebooks run end to end take about 90 s of the default tier's budget (10 minutes on 2 cores);
+# the committed notebook's outputs, its API and its links are checked in the default tier (the tests around this)
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_notebook_runs(source, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ALIBI_NOTEBOOK_SIZE", "ci")
