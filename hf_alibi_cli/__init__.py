@@ -35,7 +35,3 @@ def _front_cli() -> types.ModuleType:
 def main(argv: list[str] | None = None) -> int:
     """``hf-alibi``: see :mod:`hf_alibi.cli`."""
     return _front_cli().main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
