@@ -29,7 +29,6 @@ import importlib
 import json
 import os
 import sys
-from pathlib import Path
 
 # Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
 # the command line is parsed, and --help, --version and every error about arguments or paths answered, before the
@@ -43,9 +42,9 @@ from .checkpoints import (
     is_hub_id,
 )
 from .core.names import ENCODER_VARIANTS
-from .core.settings import AlibiSettings, conversion_options, describe_options, presets
+from .core.settings import AlibiSettings, conversion_options, describe_options, flag_spellings, presets
 from .core.version import __version__
-from .gguf import OUTTYPES, GGUFExportError
+from .gguf import OUTTYPES, GGUFExportError, check_output_file
 from .recover.settings import add_setting_flags, settings_from_flags
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
@@ -130,10 +129,12 @@ _positive_int.__name__ = "positive integer"
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """The conversion options as flags (``--slope-scale``, also ``--slope_scale``), from their declarations."""
     for option in conversion_options():
-        dashed = "--" + option.name.replace("_", "-")
-        flags = (dashed, "--" + option.name) if "_" in option.name else (dashed,)
         parser.add_argument(
-            *flags, dest=option.name, type=option.metadata["parse"], default=None, help=option.metadata["flag_help"]
+            *flag_spellings(option.name),
+            dest=option.name,
+            type=option.metadata["parse"],
+            default=None,
+            help=option.metadata["flag_help"],
         )
 
 
@@ -250,11 +251,7 @@ def check_inputs(args: argparse.Namespace) -> None:
             raise CliError(str(error)) from None
     if args.command == "export-gguf":
         check_source(args.src)
-        out = Path(args.out)
-        if out.is_dir():
-            raise GGUFExportError(f"{out} is a folder: give the path of the .gguf file to write.")
-        if out.exists() and not args.overwrite:
-            raise GGUFExportError(f"{out} exists: pass --overwrite to replace it.")
+        check_output_file(args.out, args.overwrite)
 
 
 def _check_file(path: str | None, flag: str) -> None:

@@ -68,11 +68,7 @@ def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=Non
 
     if outtype not in OUTTYPES:
         raise GGUFExportError(f"outtype {outtype!r} is not one of {', '.join(OUTTYPES)}.")
-    out = Path(out)
-    if out.is_dir():
-        raise GGUFExportError(f"{out} is a folder: give the path of the .gguf file to write.")
-    if out.exists() and not overwrite:
-        raise GGUFExportError(f"{out} exists: pass overwrite=True (hf-alibi export-gguf --overwrite) to replace it.")
+    out = check_output_file(out, overwrite)
     model, tokenizer = _load(src, tokenizer)
     arch = check_exportable(model)
     vocab = _vocab(tokenizer, model.config.vocab_size)  # refuses an unknown tokenizer before writing
@@ -91,6 +87,17 @@ def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=Non
         os.replace(staging, out)
     finally:
         staging.unlink(missing_ok=True)
+    return out
+
+
+def check_output_file(out: str | os.PathLike, overwrite: bool) -> Path:
+    """``out`` as a path, or a one-line :class:`GGUFExportError` where it is a folder, or exists without
+    ``overwrite`` (export_gguf's check, asked by the command line before the library loads too)."""
+    out = Path(out)
+    if out.is_dir():
+        raise GGUFExportError(f"{out} is a folder: give the path of the .gguf file to write.")
+    if out.exists() and not overwrite:
+        raise GGUFExportError(f"{out} exists: pass overwrite=True (hf-alibi export-gguf --overwrite) to replace it.")
     return out
 
 

@@ -85,7 +85,10 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
         (["recover", folders["src"], str(tmp_path / "a"), "--train_file", "nofile.txt"], "--train-file 'nofile.txt'"),
         (["recover", folders["src"], str(tmp_path / "a")], "the following arguments are required: --train-file"),
         (["export-gguf", folders["src"], folders["root"]], "is a folder: give the path of the .gguf file"),
-        (["export-gguf", folders["src"], folders["text"]], "exists: pass --overwrite"),
+        (
+            ["export-gguf", folders["src"], folders["text"]],
+            "exists: pass overwrite=True (hf-alibi export-gguf --overwrite)",
+        ),
         (["export-gguf", "--outtype", "q4", folders["src"], "x.gguf"], "argument --outtype: invalid choice"),
         (["info", str(tmp_path / "missing")], "is not a folder"),
         (["info", folders["root"]], "has no config.json"),

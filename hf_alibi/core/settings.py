@@ -226,6 +226,16 @@ def conversion_options() -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(AlibiSettings) if f.metadata.get("option"))
 
 
+def flag_spellings(name: str) -> tuple[str, ...]:
+    """The command-line flags of a declared setting: ``--name-with-dashes``, also ``--name_with_underscores``.
+
+    >>> flag_spellings("slope_scale"), flag_spellings("sinks")
+    (('--slope-scale', '--slope_scale'), ('--sinks',))
+    """
+    dashed = "--" + name.replace("_", "-")
+    return (dashed, "--" + name) if "_" in name else (dashed,)
+
+
 def presets() -> dict[str, dict[str, Any]]:
     """The named presets of ``patch_model(preset=...)``, gathered from the options' declarations (each option's
     ``presets``): the one place to change when better values are measured (docs/measurements.md). ``"paper"`` is

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.names import ENCODER_VARIANTS
-from ..core.settings import conversion_options, presets
+from ..core.settings import conversion_options, flag_spellings, presets
 
 # Bounded defaults (a CPU never finishes at the original maximum x 8); every bound that bit is said
 # (RecoveryLengths.notes). The measurements behind these values: docs/measurements.md.
@@ -312,9 +312,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """The recovery settings as ``hf-alibi recover`` flags (``--max-steps``, also ``--max_steps``), from their
     declarations; the conversion options' flags among them."""
     for declared in flag_settings():
-        dashed = "--" + declared.name.replace("_", "-")
-        spellings = (dashed, "--" + declared.name) if "_" in declared.name else (dashed,)
-        parser.add_argument(*spellings, dest=declared.name, default=declared.default, **declared.metadata["flag"])
+        parser.add_argument(
+            *flag_spellings(declared.name), dest=declared.name, default=declared.default, **declared.metadata["flag"]
+        )
 
 
 def settings_from_flags(args: argparse.Namespace) -> RecoverySettings:
