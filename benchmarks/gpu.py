@@ -66,7 +66,18 @@ def build_llama(max_len: int, args):
     )  # fmt: skip
 
 
+def build_native(model_type: str) -> Callable:
+    """BLOOM, MPT, Falcon-RW (trained with ALiBi): transformers' own attention (eager; Falcon sdpa) is the baseline."""
+
+    def build(max_len: int, args):
+        shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
+        return build_model(model_type, **shape, attn=None, dropout=False)
+
+    return build
+
+
 BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "llama": build_llama}
+NATIVE = {name: build_native(name) for name in ("bloom", "mpt", "falcon")}  # --types bloom mpt falcon
 
 
 def make_arm(arm: str, builder: Callable, max_len: int, args):
@@ -162,7 +173,7 @@ def measure(models: dict, fn: Callable, warmup: int, repeats: int) -> dict:
 
 
 def run_model(model_type: str, args) -> None:
-    builder = BUILDERS[model_type]
+    builder = {**BUILDERS, **NATIVE}[model_type]
     max_len = max(args.lengths) + args.new_tokens
     models, skipped = {}, {}
     for arm in args.arms:
@@ -224,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--types", nargs="*", default=list(BUILDERS), choices=list(BUILDERS))
+    parser.add_argument("--types", nargs="*", default=list(BUILDERS), choices=[*BUILDERS, *NATIVE])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gen-repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
@@ -253,7 +264,7 @@ def main() -> None:
     )
     print("| model | L | arm | train step ms | / unpatched | peak MB | / unpatched | gen tok/s | / unpatched | path |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    supported = hf_alibi.supported_model_types()
+    supported = {*hf_alibi.supported_model_types(), *NATIVE}
     for model_type in args.types:
         if model_type not in supported:
             print(
