@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser(
         "serve",
-        help="serve a converted checkpoint with transformers' OpenAI-compatible server",
+        help="serve a converted checkpoint (or a BLOOM, MPT, Falcon-RW) with transformers' OpenAI-compatible server",
         description="hf-alibi serve MODEL [transformers serve options]: MODEL first, then `transformers serve`'s own "
         "options (--port, --continuous-batching, ...), passed on unchanged.",
     )
@@ -309,7 +309,8 @@ RUN_GGUF = "llama-cli -m {path} (llama.cpp's programs), or llama_cpp.Llama(model
 
 def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id)\n")
+        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id, or a "
+              "BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention)\n")  # fmt: skip
         print("transformers serve's options follow (needs transformers' serving extras: pip install "
               "'transformers[serving]'):", flush=True)  # fmt: skip
         from hf_alibi.core.compat import transformers_cli_app

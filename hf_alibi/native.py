@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.mask import MaskCache
@@ -200,15 +201,19 @@ class NativeAlibiAttention(nn.Module):
             query, key, value = (
                 part.reshape(batch, length, heads, head_dim).transpose(1, 2) for part in fused.chunk(3, dim=-1)
             )
-        cache = values.get(row.cache)
-        if cache is not None:
+        arguments = {}
+        paged = self.alibi.masks.paged()
+        if paged is not None:  # a continuous-batching step: the model's forward ran without the paged cache
+            key, value, arguments = paged.update(key, value, self.layer_idx)
+            mask = None  # the attention builds each request's mask from the arguments (batching.py)
+        elif (cache := values.get(row.cache)) is not None:
             key, value = cache.update(key, value, self.layer_idx)
         dropout = getattr(self, row.dropout)
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
         attention = ALL_ATTENTION_FUNCTIONS[alibi_name(self.config._attn_implementation)]
         output, weights = attention(
             self, query, key, value, mask,
-            scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0,
+            scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0, **arguments,
         )  # fmt: skip
         output = getattr(self, row.output)(output.reshape(batch, length, heads * head_dim))
         if row.residual:
@@ -247,6 +252,8 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         # (a packed row) are recorded for this forward, so every path keeps the documents apart
         setup = self._alibi_forward
         args, kwargs = before_forward(setup, self, args, kwargs)
+        if setup.masks.paged() is not None:
+            kwargs = without_paged_cache(kwargs)
         if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
             args, kwargs = boolean_causal_mask(self, args, kwargs)
         try:
@@ -265,12 +272,10 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
                     )
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
-    def init_continuous_batching(self, *args, **kwargs):
-        # generate_batch and `transformers serve --continuous-batching` start here: refused before any request runs
-        raise ValueError(
-            f"Continuous batching cannot run {row.model_type}: transformers' {row.model_type} forward asks its cache "
-            "for a length that the paged cache does not have (it fails with or without hf_alibi). Use generate()."
-        )
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        # generate_batch, its context manager and `transformers serve --continuous-batching` start here: the manager
+        # that keeps the backend (sdpa or eager) and runs the bias through the paged cache (batching.py)
+        return make_manager(self, generation_config, continuous_batching_config, workload_hints)
 
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
@@ -290,6 +295,15 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         },
     )
     return cls
+
+
+def without_paged_cache(kwargs: dict) -> dict:
+    """A continuous-batching forward's arguments as transformers' own forward of a native row can take them: no
+    cache (it would ask the paged cache for a length it has not), no per-layer mask (the attention makes its own) and
+    none of the layers' arguments (their :class:`~hf_alibi.core.batching.PagedBatch`, recorded for this forward,
+    holds them). Each self-attention writes its keys and values to the paged cache itself."""
+    dropped = {"cache", "past_key_values", "attention_mask", "is_causal", *LAYER_ARGUMENTS}
+    return {**{k: v for k, v in kwargs.items() if k not in dropped}, "use_cache": False}
 
 
 def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

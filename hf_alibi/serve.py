@@ -1,11 +1,14 @@
-"""``hf-alibi serve MODEL [transformers serve options]``: a converted checkpoint behind transformers' own
-OpenAI-compatible server (``transformers serve``), with or without ``--continuous-batching``.
+"""``hf-alibi serve MODEL [transformers serve options]``: a converted checkpoint, or a model trained with ALiBi
+(BLOOM, MPT, Falcon-RW) on hf_alibi's attention, behind transformers' own OpenAI-compatible server (``transformers
+serve``), with or without ``--continuous-batching``.
 
 ``transformers serve`` loads a model's class as ``getattr(transformers, config.architectures[0])`` and reads no
 ``auto_map`` (``--trust-remote-code`` reaches only the config and the tokenizer), so a converted checkpoint's
 ``AlibiLlamaForCausalLM`` is not found there. This entry point reads MODEL's config, adds that one class under its
 own name to the ``transformers`` namespace of this server process (no transformers class is replaced), preloads
-MODEL and hands every other argument to transformers' server unchanged::
+MODEL and hands every other argument to transformers' server unchanged. A model trained with ALiBi keeps its own
+class name there: in this server process that name loads it and runs it on hf_alibi's paths (:func:`native_loader`;
+transformers' own code of these three cannot run continuous batching)::
 
     hf-alibi serve ./my-alibi-llama --port 8000 --continuous-batching
     python -m hf_alibi serve ./my-alibi-llama --port 8000
@@ -32,8 +35,12 @@ def serving_class(model: str) -> type:
     'AlibiLlamaForCausalLM'
     """
     from . import models
+    from .registry import get_native_architecture
 
     config = read_config(model, "MODEL")
+    native = get_native_architecture(config.get("model_type", ""))
+    if native is not None and native.uses_alibi(config):
+        return _register(native_loader(config, model))
     if not is_alibi(config):
         raise CheckpointError(
             f"MODEL {model!r} is not an ALiBi checkpoint: serve the original with `transformers serve`, or convert "
@@ -42,13 +49,49 @@ def serving_class(model: str) -> type:
     name = (config.get("architectures") or [None])[0]
     if not isinstance(name, str) or not name.startswith("Alibi"):
         raise CheckpointError(f"MODEL {model!r} names no Alibi class in config.json's architectures: re-save it.")
-    cls = getattr(models, name)
+    return _register(getattr(models, name))
+
+
+def _register(cls: type) -> type:
+    name = cls.__name__
     # Looked up now, after the class was made: importing transformers' processing_utils (which modeling code does)
     # runs transformers/__init__.py again and puts a new module object in sys.modules, where the loader finds it.
     transformers = sys.modules["transformers"]
     if getattr(transformers, name, None) is not cls:
-        setattr(transformers, name, cls)  # a new name only: transformers' own classes stay as they are
+        # a new name, or (a model trained with ALiBi) its own name in this server process only: the classes stay
+        setattr(transformers, name, cls)
     return cls
+
+
+def native_loader(config: dict, model: str) -> type:
+    """For a model trained with ALiBi (BLOOM, MPT, Falcon-RW: a folder in its original format), a subclass of its
+    transformers class, under the same name, whose ``from_pretrained`` loads it with that class and runs it on
+    hf_alibi's attention (``hf_alibi.patch_model``); the backend asked for (``--attn-implementation``) is set after
+    that, since transformers' own class takes only eager."""
+    import transformers
+
+    from .patch import patch_model
+
+    name = (config.get("architectures") or [None])[0]
+    original = getattr(transformers, name, None) if isinstance(name, str) else None
+    if original is None or not hasattr(original, "from_pretrained"):
+        raise CheckpointError(
+            f"MODEL {model!r} names no transformers class in config.json's architectures: re-save it."
+        )
+    original = getattr(original, "_served_original", original)  # registered by an earlier call in this process
+
+    class NativeServing(original):
+        _served_original = original
+
+        @classmethod
+        def from_pretrained(cls, *args, attn_implementation=None, **kwargs):
+            loaded = patch_model(original.from_pretrained(*args, **kwargs))
+            if attn_implementation is not None:
+                loaded.set_attn_implementation(attn_implementation)
+            return loaded
+
+    NativeServing.__name__ = NativeServing.__qualname__ = original.__name__
+    return NativeServing
 
 
 def serve(model: str, arguments: list[str]) -> None:

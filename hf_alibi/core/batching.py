@@ -19,26 +19,48 @@ refuses the rest in one line. With that name transformers builds no mask of its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .compat import continuous_batching_manager_class, is_paged_cache, paged_layer_window, stored_attn_implementation
-from .names import base_name, check_backend
+from .compat import (
+    CONTINUOUS_BATCHING_DENSE_MASK_NAMES,
+    continuous_batching_manager_class,
+    is_paged_cache,
+    paged_layer_window,
+    stored_attn_implementation,
+)
+from .names import alibi_name, base_name, check_backend
 from .slopes import CAUSAL
 
 # The backends whose ALiBi path takes one additive mask: the paged path's bias goes there.
 PAGED_BACKENDS = ("sdpa", "eager")
+# What continuous batching passes a model's forward for its layers: each layer's ``cache.update(key, value,
+# layer_idx, kwargs)`` narrows the per-kind entries (cu_seq_lens_k, max_length_k) to its own and reads the indices
+LAYER_ARGUMENTS = (
+    "cu_seq_lens_q", "max_length_q", "cu_seq_lens_k", "max_length_k", "read_index", "write_index", "block_table",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class PagedBatch:
     """One continuous-batching forward's layout: the paged cache, each request's first query (``cu_seq_lens_q``,
-    ``(R + 1,)``) and each token's position in its request (``(Q,)``)."""
+    ``(R + 1,)``), each token's position in its request (``(Q,)``) and the forward's :data:`LAYER_ARGUMENTS` (read
+    by layers that the model's own forward does not hand them to: BLOOM, MPT, Falcon, ``native.py``)."""
 
     cache: object
     cu_seq_lens_q: torch.Tensor
     positions: torch.Tensor
+    layer_arguments: dict = field(default_factory=dict, compare=False)
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """A layer's keys and values written to the paged cache and read back with its request's cached ones, ``(1,
+        H, kv, d)`` each, and the keyword arguments of its attention call (this layer's ``cu_seq_lens_k``, ...)."""
+        arguments = dict(self.layer_arguments)  # the cache narrows the per-kind entries in place
+        key, value = self.cache.update(key, value, layer_idx, arguments)
+        return key, value, arguments
 
 
 def paged_batch(cache, kwargs: dict) -> PagedBatch | None:
@@ -51,7 +73,8 @@ def paged_batch(cache, kwargs: dict) -> PagedBatch | None:
             "A forward with a PagedAttentionCache needs cu_seq_lens_q and position_ids (what transformers' continuous "
             "batching passes): run the model through generate_batch or init_continuous_batching."
         )
-    return PagedBatch(cache, cu_seq_lens_q, positions.reshape(-1))
+    arguments = {name: kwargs[name] for name in LAYER_ARGUMENTS if name in kwargs}
+    return PagedBatch(cache, cu_seq_lens_q, positions.reshape(-1), arguments)
 
 
 def paged_bias(
@@ -170,6 +193,19 @@ def alibi_manager_class() -> type:
         def __init__(self, model, *args, **kwargs):
             super().__init__(model, *args, **kwargs)
             check_manager_config(self.continuous_batching_config)
+
+        def _create_batch_processor(self):
+            # a model trained with ALiBi keeps the name "sdpa" (native.py), for which transformers would allocate a
+            # dense mask of GBs that the paged path never reads: the processor is made under hf_alibi's name for it
+            config = self.model.config
+            name = config._attn_implementation
+            if name not in CONTINUOUS_BATCHING_DENSE_MASK_NAMES:
+                return super()._create_batch_processor()
+            config._attn_implementation_internal = alibi_name(base_name(name))
+            try:
+                return super()._create_batch_processor()
+            finally:
+                config._attn_implementation_internal = name
 
         def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
             # transformers' version accepts only the plain names and may switch the model to flash by itself: the

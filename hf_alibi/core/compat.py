@@ -249,8 +249,15 @@ def continuous_batching_manager_class() -> type:
     return ContinuousBatchingManager
 
 
+# The attention names for which transformers' continuous batching allocates a dense ``(1, 1, max_batch_tokens,
+# max_tokens_read + max_batch_tokens)`` mask per layer kind and fills it at every reset of its inputs
+# (``continuous_batching.utils.attn_mask_is_needed``, read once, when the batch processor is made; 5.24.0): with
+# the default sizes about 9.5 GB for any model. hf_alibi's paged path builds its own mask (batching.py).
+CONTINUOUS_BATCHING_DENSE_MASK_NAMES = ("paged|eager", "sdpa")
+
 __all__ = [
     "AUTO_CLASSES",
+    "CONTINUOUS_BATCHING_DENSE_MASK_NAMES",
     "AttnImplementationOverride",
     "auto_class_names",
     "base_mask_function",

@@ -333,14 +333,56 @@ def test_export_gguf_says_what_reads_the_original_format(case, tmp_path, capsys)
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=lambda c: c.name)
-def test_continuous_batching_is_refused_before_any_request(case):
-    # transformers' own forward of each of the three asks the cache for its length, which the paged cache has not
-    _, model = patched(case)
+CB_PROMPT_LENGTHS = (3, 21, 9, 2 * MAX_LEN, 5)  # past MPT's max_seq_len (16); chunked prefill beside decoding
+CB_NEW_TOKENS = 8
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=lambda c: c.name)
+def test_continuous_batching_gives_transformers_own_tokens_and_log_probabilities(case, backend):
+    """generate_batch (transformers' continuous batching: a paged cache, requests prefilled in chunks of 16 tokens
+    beside others decoding) against transformers' own class run on each whole finished sequence: every generated
+    token is its greedy choice there and has its log probability (transformers' own forward of these three cannot
+    run continuous batching at all: it asks the paged cache for a length)."""
+    original, model = patched(case)
+    model.set_attn_implementation(backend)
+    generator = torch.Generator().manual_seed(5)
+    requests = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in CB_PROMPT_LENGTHS]
+    config = transformers.GenerationConfig(max_new_tokens=CB_NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)  # fmt: skip
+    batches = transformers.ContinuousBatchingConfig(num_blocks=32, page_size=16, max_batch_tokens=16,
+                                                    max_requests_per_batch=3, return_logprobs=True)  # fmt: skip
+    outputs = list(model.generate_batch(requests, generation_config=config, continuous_batching_config=batches,
+                                        progress_bar=False).values())  # fmt: skip
+    assert len(outputs) == len(requests) and all(output.error is None for output in outputs), outputs
+    for prompt, output in zip(requests, outputs):
+        tokens = output.generated_tokens
+        assert len(tokens) == CB_NEW_TOKENS
+        full = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = case.reference(original, full.shape[1])(full).logits[0, len(prompt) - 1 : -1].double()
+        assert logits.argmax(-1).tolist() == tokens
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(output.logprobs, dtype=torch.float64), expected, rtol=0, atol=2e-5)
+    assert {a.alibi.last_path for a in attentions(model)} == {"bias"}  # every layer ran the paged path
+    assert model.config._attn_implementation == backend  # nothing switched
+
+
+def test_continuous_batching_allocates_no_dense_mask_for_the_sdpa_name():
+    """transformers' continuous batching allocates (and fills) a dense mask of max_batch_tokens x (cache length) per
+    layer kind for a model named "sdpa", GBs at its default sizes (checked here on transformers' own sdpa Llama); a
+    patched BLOOM keeps that name, and hf_alibi's paged path makes its own mask: none is allocated for it."""
     config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with pytest.raises(ValueError, match="Continuous batching cannot run") as error:
-        model.generate_batch([[1, 2, 3]], generation_config=config)
-    assert "\n" not in str(error.value)
+    sizes = transformers.ContinuousBatchingConfig(num_blocks=8, page_size=16, max_batch_tokens=16)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    llama.set_attn_implementation("sdpa")
+    _, model = patched(CASES[0])
+    for candidate, dense in ((llama, True), (model, False)):
+        manager = candidate.init_continuous_batching(generation_config=config, continuous_batching_config=sizes)
+        processor = manager._create_batch_processor()  # what the manager's start makes (transformers 5.24)
+        assert (processor.inputs_and_outputs.attention_mask is not None) == dense
+    assert model.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=lambda c: c.name)

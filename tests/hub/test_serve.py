@@ -56,8 +56,35 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bloom_folder(tmp_path_factory):
+    """A tiny BLOOM (trained with ALiBi: its original format, no hf_alibi in config.json), tokenizer as above."""
+    path = tmp_path_factory.mktemp("served-bloom")
+    tokenizer = train_tokenizer(TEXTS * 20, vocab_size=400)
+    tokenizer.chat_template = TEMPLATE
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(
+        vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    transformers.BloomForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def expected(folder):
-    """Each question's greedy answer from generate() on it alone (the folder reloaded, as the server loads it)."""
+    return greedy_answers(folder)
+
+
+@pytest.fixture(scope="module")
+def bloom_expected(bloom_folder):
+    return greedy_answers(bloom_folder)
+
+
+def greedy_answers(folder) -> dict[str, str]:
+    """Each question's greedy answer from generate() on it alone (the folder reloaded, as the server loads it, by
+    transformers alone: a converted folder's remote code, BLOOM's own class)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     answers = {}
@@ -150,6 +177,25 @@ def test_transformers_serve_answers_each_request_with_its_greedy_tokens(folder, 
             log = server.communicate()[0]
     # transformers' own log of each request: which path served it
     assert f"CB: {bool(options)}" in log and f"CB: {not options}" not in log
+
+
+def test_a_model_trained_with_alibi_is_served_on_hf_alibis_attention(bloom_folder, bloom_expected):
+    """A BLOOM folder (its original format) behind the server with continuous batching, which transformers' own
+    BLOOM cannot run (its forward asks the paged cache for a length): 8 requests at once, each answered with its
+    greedy tokens from transformers' own BLOOM, none mixed up."""
+    server, port = start(bloom_folder, "--continuous-batching")
+    try:
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            answers = list(pool.map(lambda q: ask(port, bloom_folder, q), QUESTIONS))
+        assert answers == [bloom_expected[q] for q in QUESTIONS]
+    finally:
+        server.terminate()
+        try:
+            log = server.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            log = server.communicate()[0]
+    assert "CB: True" in log and "CB: False" not in log
 
 
 def test_serve_needs_a_converted_model_first(tmp_path, capsys):
