@@ -313,12 +313,17 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     MPT casts transformers' mask to bool (its eager mask, True where masked; sdpa's ``None``, the causal case, would
     crash) and Falcon always materialises it, so neither can say "causal only": where nothing else masks (no padding,
     no cached keys) the mask is a broadcast view of True (:func:`is_causal_mark`, no memory), which the attention reads
-    as no mask (not while traced: a graph may copy the view). A 4D mask passes, and so does everything on flash (it
-    takes transformers' 2D mask).
+    as no mask (not while traced: a graph may copy the view). A 4D mask or a BlockMask passes (generate() makes one
+    for a static cache), and so does everything on flash (it takes transformers' 2D mask).
     """
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.is_floating_point():
+        # transformers' additive mask (eager's; generate() makes one for a static cache), which MPT would cast to
+        # bool as "True where masked": as a boolean one, True where a query attends
+        kwargs["attention_mask"] = mask > torch.finfo(mask.dtype).min / 2
         return args, kwargs
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return args, kwargs  # made by transformers for the whole cache: 4D, or flex's BlockMask (a static cache)
     if getattr(module, "_native_flash", False) and str(module.config._attn_implementation).startswith("flash"):
         return args, kwargs
     if args:  # positional input ids (the task models pass them so) bound by name, the names read once per class

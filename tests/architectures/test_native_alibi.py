@@ -137,6 +137,29 @@ def test_greedy_generation_with_the_cache_equals_transformers(case):
         assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6]], ids=lambda c: c.name)
+def test_static_cache_generation_scores_equal_transformers_dynamic_cache(case):
+    """generate(cache_implementation="static"), left padded, on every backend: each step's scores against transformers'
+    own class with its dynamic cache (its own Falcon fails with a static cache; MPT's config turns the cache off by
+    default: use_cache=True asks for it). generate() hands a static cache's models a 4D mask it makes itself, eager's
+    additive, which MPT's forward would cast to bool the wrong way round."""
+    original, model = patched(case)
+    ids = random_ids(2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                  use_cache=True, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    with torch.no_grad():
+        expected = case.reference(original, 18).generate(ids, **kwargs)
+        for backend in BACKENDS:
+            model.set_attn_implementation(backend)
+            got = model.generate(ids, cache_implementation="static", **kwargs)
+            assert type(got.past_key_values).__name__ == "StaticCache"
+            assert torch.equal(got.sequences, expected.sequences), backend
+            for mine, theirs in zip(got.scores, expected.scores):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5, msg=backend)
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_packed_rows_equal_each_document_alone(case):
     _, model = patched(case)
