@@ -27,8 +27,7 @@ from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.mask import MaskCache
-from .core.modeling import ForwardSetup, before_forward
-from .core.modeling import _bound_arguments as bound_arguments
+from .core.modeling import ForwardSetup, before_forward, bound_arguments
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
@@ -234,9 +233,27 @@ def _attention_class(original: type, row: NativeArchitecture) -> type:
         cls = _ATTENTION_CLASSES[(original, row)] = type(
             name,
             (NativeAlibiAttention, original),
-            {"_native_row": row, "_native_arguments": names, "__module__": __name__, "__qualname__": name},
-        )
+            {
+                "_native_row": row, "_native_arguments": names, "_native_original": original,
+                "__reduce_ex__": _reduce_native, "__module__": __name__, "__qualname__": name,
+            },
+        )  # fmt: skip
     return cls
+
+
+def _reduce_native(self, protocol):
+    # pickle (torch.save of the whole model, deepcopy) finds the classes made here by what made them: the original
+    # class and the row, both importable
+    state = super(type(self), self).__reduce_ex__(protocol)[2]
+    kind = "model" if isinstance(self, PreTrainedModel) else "attention"
+    return _native_instance, (kind, type(self)._native_original, type(self)._native_row), state
+
+
+def _native_instance(kind: str, original: type, row: NativeArchitecture):
+    """An empty instance of the class :func:`_model_class` or :func:`_attention_class` makes for ``original`` and
+    ``row`` (unpickling fills it)."""
+    cls = (_model_class if kind == "model" else _attention_class)(original, row)
+    return cls.__new__(cls)
 
 
 def _model_class(original: type, row: NativeArchitecture) -> type:
@@ -290,6 +307,9 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             "_can_set_attn_implementation_cached_value": True,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,
+            "_native_original": original,
+            "_native_row": row,
+            "__reduce_ex__": _reduce_native,
             "__module__": __name__,
             "__qualname__": original.__name__,
         },

@@ -166,7 +166,7 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
     if documents is not None:  # a packed row: the first tokens of each document (packing.py)
         masks.set_rows(documents, None)
         return
-    values = kwargs if "attention_mask" in kwargs else _bound_arguments(module, args, kwargs)
+    values = kwargs if "attention_mask" in kwargs else bound_arguments(module, args, kwargs)
     mask = values.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         masks.set_rows(mask.to(torch.long).argmax(dim=-1), mask.shape[-1])  # argmax: the first 1 of each row
@@ -243,13 +243,13 @@ def _read_position_ids(
     # the cache by name (how transformers passes it), else among the positional arguments
     cache = cache_argument(kwargs)
     if cache is None and args:
-        cache = cache_argument(_bound_arguments(module, args, kwargs))
+        cache = cache_argument(bound_arguments(module, args, kwargs))
     batch = None if tracing else paged_batch(cache, kwargs)
     starts = None
     if position_ids is not None and batch is None:
         if tracing or position_ids.shape[-1] > 1:  # one token a row (a decoding step) is never a packed row
             fresh = cache is None or (hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) == 0)
-            if _bound_arguments(module, args, kwargs).get("attention_mask") is None and fresh:
+            if bound_arguments(module, args, kwargs).get("attention_mask") is None and fresh:
                 starts = document_starts(position_ids)
                 if not tracing and not is_packed(starts):
                     starts = None
@@ -264,9 +264,9 @@ def _read_position_ids(
     return args, kwargs
 
 
-def _bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
-    # The forward's arguments by name, those passed by position included (named by the forward's signature,
-    # read once per class: binding with inspect on every forward cost more than a decoding step's attention).
+def bound_arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``module``'s forward arguments by name, those passed by position included (named by the forward's signature,
+    read once per class: binding with inspect on every forward cost more than a decoding step's attention)."""
     if not args:
         return kwargs
     names = _POSITIONAL_NAMES.get(type(module))

@@ -266,6 +266,34 @@ def test_convert_says_there_is_nothing_to_convert():
         hf_alibi.get_architecture("bloom")
 
 
+def test_a_pickled_patched_model_loads_in_a_fresh_process_on_hf_alibis_paths(tmp_path):
+    """torch.save(model) (pickle) of a patched MPT, loaded where hf_alibi has made none of its classes yet: the same
+    classes, still past max_seq_len, transformers' logits (its own MPT with a longer max_seq_len as the reference)."""
+    case = CASES[3]
+    original, model = patched(case)
+    torch.save(model, tmp_path / "model.pt")
+    ids = random_ids(1, LONG)
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        expected = case.reference(original, LONG)(ids).logits
+    child = run_child(
+        f"""
+        import torch
+        model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        from hf_alibi.native import is_native
+        print(type(model).__module__, type(model).__name__, is_native(model))
+        """,
+        cwd=tmp_path,
+        hf_home=tmp_path / "hf",
+        block_hf_alibi=False,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split()[-3:] == ["hf_alibi.native", type(original).__name__, "True"]
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=lambda c: c.name)
 def test_saved_folder_is_the_original_format_and_plain_transformers_loads_it(case, tmp_path):
     original, model = patched(case)
