@@ -29,7 +29,7 @@ from .core.compat import is_exporting
 from .core.mask import MaskCache
 from .core.modeling import ForwardSetup, before_forward, bound_arguments
 from .core.names import alibi_name, check_backend
-from .core.slopes import CAUSAL, get_slopes_list, mpt_slopes_list
+from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
 
 NATIVE = "native"  # the strategy name of these rows: nothing is converted
@@ -61,6 +61,7 @@ class NativeArchitecture:
     residual: bool = False  # BLOOM: the module adds its output, dropped out by hidden_dropout, to ``residual``
     bias_before_scaling: bool = False  # Falcon: (q.k + bias) * scale, so the slopes are scaled too
     slope_dtype: str | None = None  # Falcon: the torch dtype its code rounds the slopes to ("bfloat16")
+    key_rounding: str | None = None  # Falcon: the dtype its code rounds each key's bias to ("bfloat16"; KeyRounding)
     alibi_flag: str | None = None  # the config field that says the model uses ALiBi (None: always)
     requires: tuple[tuple[str, Any], ...] = ()  # config fields whose other values this row cannot match
     kv_heads: str | None = None  # Falcon: a config field that must be None or the head count (no grouped K/V)
@@ -152,15 +153,21 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     attentions = [attention for _, _, attention in find_modules(base, row.attention)]
     masks = MaskCache()
     for attention in attentions:
-        slopes = native_slopes(row, model.config, float(getattr(attention, row.scaling)))
-        attention.alibi = AlibiBias(CAUSAL, model.config.num_attention_heads, masks=masks, slopes=slopes)
+        scaling = float(getattr(attention, row.scaling))
+        slopes = native_slopes(row, model.config, scaling)
+        rounding = None
+        if row.key_rounding is not None:  # the bias per key as the model's code rounds it, before its scaling
+            rounding = KeyRounding(row.key_rounding, scaling if row.bias_before_scaling else 1.0)
+        heads = model.config.num_attention_heads
+        attention.alibi = AlibiBias(CAUSAL, heads, masks=masks, slopes=slopes, rounding=rounding)
         if getattr(attention, "config", None) is None:  # where the backend is read (Falcon's modules hold it)
             attention.config = model.config
         attention.__class__ = _attention_class(type(attention), row)
     if row.base_bias_switch is not None:
         setattr(base, row.base_bias_switch, False)  # the bias is the attention's now
     model.__class__ = _model_class(type(model), row)
-    model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0)
+    rows = row.key_rounding is not None  # a bias rounded per key counts positions from each row's start
+    model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0, records_rows=rows)
     if row.boolean_mask:
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
         base._native_flash = row.flash
@@ -282,6 +289,11 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
             if isinstance(name, str):
                 check_backend(name)
+                if row.key_rounding is not None and name.startswith("flash"):
+                    raise ValueError(
+                        f"flash-attn's ALiBi cannot round each key's bias to {row.key_rounding} as {row.model_type}'s "
+                        "own code does: use attn_implementation 'sdpa', 'eager' or 'flex_attention'."
+                    )
                 if not row.flash and name.startswith("flash"):
                     raise ValueError(
                         f"hf_alibi runs {row.model_type} with attn_implementation 'sdpa', 'eager' or 'flex_attention' "

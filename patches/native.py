@@ -15,11 +15,11 @@ ROWS: list[NativeArchitecture] = [
         scaling="softmax_scale", dropout="attn_dropout_p", cache="cache", clip="clip_qkv",
         alibi_flag="attn_config.alibi", boolean_mask=True, flash=False,
     ),
-    # Falcon-RW: BLOOM's slopes rounded to bf16 (as its code does), the bias added before the 1/sqrt(d) scaling (the
-    # slopes scaled by it); rotary Falcons refused
+    # Falcon-RW: BLOOM's slopes rounded to bf16 and each key's bias m * p rounded to bf16 (as its code does), the
+    # bias added before the 1/sqrt(d) scaling (the slopes scaled by it); rotary Falcons refused
     NativeArchitecture(
         "falcon", "h.*.self_attention", "query_key_value", "dense", bias_before_scaling=True, slope_dtype="bfloat16",
-        alibi_flag="alibi",
+        key_rounding="bfloat16", alibi_flag="alibi",
         requires=(("multi_query", False), ("new_decoder_architecture", False)), kv_heads="num_kv_heads",
         base_bias_switch="use_alibi", boolean_mask=True,
     ),

@@ -31,7 +31,7 @@ from .compat import (
     stored_attn_implementation,
 )
 from .names import alibi_name, base_name, check_backend
-from .slopes import CAUSAL
+from .slopes import CAUSAL, KeyRounding
 
 # The backends whose ALiBi path takes one additive mask: the paged path's bias goes there.
 PAGED_BACKENDS = ("sdpa", "eager")
@@ -86,6 +86,7 @@ def paged_bias(
     window: int | None,
     sinks: int,
     masked_value: float,
+    rounding: KeyRounding | None = None,
 ) -> torch.Tensor:
     """The causal ALiBi bias with continuous batching's mask, fp32 ``(1, H, Q, kv_len)``.
 
@@ -114,7 +115,11 @@ def paged_bias(
     k_index = torch.arange(kv_len, device=device, dtype=cu_k.dtype)
     distance = last[:, None] - k_index  # (Q, K): q_pos - k_pos within a request
     allowed = (distance >= 0) & (k_index >= first[:, None])
-    bias = distance.float() * -slopes.float()[:, None, None]  # (H, Q, K)
+    if rounding is None:
+        bias = distance.float() * -slopes.float()[:, None, None]  # (H, Q, K)
+    else:  # t(p_j) - t(p_i), positions in the request (KeyRounding)
+        keys = rounding.terms(slopes, (positions[:, None] - distance).float())  # (H, Q, K)
+        bias = keys - rounding.terms(slopes, positions.float())[:, :, None]
     if sinks:  # key position = query position - distance
         bias = bias.masked_fill((positions[:, None] - distance < sinks)[None], 0.0)
     return torch.where(allowed, bias, masked_value).unsqueeze(0)
@@ -135,12 +140,12 @@ def paged_bias_mask(alibi, module, query: torch.Tensor, kv_len: int, batch: Page
         raise ValueError("A continuous-batching attention call came without its layer's cu_seq_lens_k.")
     window = paged_layer_window(batch.cache, module.layer_idx)
     dtype = query.dtype
-    key = (window, alibi.slope_values, alibi.sinks, query.shape[2], kv_len, query.device, dtype)
+    key = (window, alibi.slope_values, alibi.rounding, alibi.sinks, query.shape[2], kv_len, query.device, dtype)
 
     def build() -> torch.Tensor:
         bias = paged_bias(
             alibi.fixed_slopes(query.device), batch.positions, batch.cu_seq_lens_q, cu_seq_lens_k, kv_len, window,
-            alibi.sinks, torch.finfo(dtype).min,
+            alibi.sinks, torch.finfo(dtype).min, alibi.rounding,
         )  # fmt: skip
         return bias.to(dtype)
 

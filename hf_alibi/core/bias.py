@@ -7,7 +7,7 @@ from torch import nn
 
 from .compat import is_exporting
 from .mask import MaskCache
-from .slopes import BIAS_KINDS, CAUSAL, LEARNED, alibi_bias, get_slopes_list
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, get_slopes_list
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
 # into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
@@ -46,6 +46,7 @@ class AlibiBias(nn.Module):
         *,
         slopes: list[float] | None = None,
         sinks: int = 0,
+        rounding: KeyRounding | None = None,
     ):
         super().__init__()
         if kind not in BIAS_KINDS:
@@ -55,7 +56,10 @@ class AlibiBias(nn.Module):
         self.kind = kind
         self.num_heads = num_heads
         self.slope_values = tuple(get_slopes_list(num_heads) if slopes is None else (float(s) for s in slopes))
+        if rounding is not None and (kind != CAUSAL or sinks):
+            raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
         self.sinks = sinks
+        self.rounding = rounding  # the bias rounded per key (Falcon's code), rendered by every path
         self.path = path
         self.last_path: str | None = None
         self.masks = MaskCache() if masks is None else masks
@@ -87,9 +91,14 @@ class AlibiBias(nn.Module):
     def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
         """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``
         (``(B, H, q, kv)`` with sinks on left-padded rows)."""
-        if self.kind == CAUSAL and q_len == 1 and not self.sinks and not is_exporting():  # a decoding step
+        plain = not self.sinks and self.rounding is None
+        if self.kind == CAUSAL and q_len == 1 and plain and not is_exporting():  # a decoding step
             return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
-        starts, end = self.masks.rows() if self.sinks else (None, None)
+        starts, end = (None, None) if plain else self.masks.rows()
+        if self.rounding is not None:
+            slopes = self.fixed_slopes(device)
+            return alibi_bias(CAUSAL, q_len, kv_len, slopes, masked_value=masked_value, starts=starts, end=end,
+                              rounding=self.rounding)  # fmt: skip
         sinks = dict(sinks=self.sinks, starts=starts, end=end)
         if self.kind == LEARNED:
             left, right = self.learned_slopes()
@@ -106,7 +115,7 @@ class AlibiBias(nn.Module):
             raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
         self._path = value
         # what layers that may share a merged mask have in common (mask.MaskCache); the learned form shares none
-        self.sharing = None if self.kind == LEARNED else (self.kind, self.slope_values, value)
+        self.sharing = None if self.kind == LEARNED else (self.kind, self.slope_values, self.rounding, value)
 
     def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned form's (left, right) slopes, fp32 and negative, with their gradients."""
@@ -118,6 +127,7 @@ class AlibiBias(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", sinks={self.sinks}" if self.sinks else ""
+        extra += f", rounding={self.rounding}" if self.rounding is not None else ""
         return f"kind={self.kind!r}, num_heads={self.num_heads}, path={self.path!r}{extra}"
 
 

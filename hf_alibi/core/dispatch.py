@@ -133,11 +133,11 @@ def _choose_and_run(
         alibi.last_path = path
     if path == FOLDED:
         attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
-        starts, end = alibi.masks.rows() if alibi.sinks else (None, None)
+        starts, end = alibi.masks.rows() if alibi.sinks or alibi.rounding is not None else (None, None)
         run = partial(
             folded_causal_attention, module, attention_mask=attention_mask,
             slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
-            scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end,
+            scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end, rounding=alibi.rounding,
         )  # fmt: skip
         return _flushed_kernel(run, query, key, value)
     q_len = query.shape[2]

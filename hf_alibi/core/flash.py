@@ -59,6 +59,11 @@ def flash_alibi_attention(
             f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
             "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
         )
+    if alibi.rounding is not None:  # flash-attn computes -m |i - j| itself, in fp32
+        raise NotImplementedError(
+            f"flash-attn's ALiBi cannot round each key's bias to {alibi.rounding.dtype} as this model's own code does "
+            "(Falcon): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
+        )
     flash_attn_func, flash_attn_varlen_func = flash_kernels(query.device)
     upad_input, unpad_input, pad_input = flash_padding_helpers()
 

@@ -10,7 +10,7 @@ from torch import nn
 from .compat import compiled_flex_attention, repeat_kv
 from .denormals import flushed
 from .packing import same_document
-from .slopes import CAUSAL, LEARNED, NONSYMMETRIC
+from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, row_positions
 
 
 def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softcap: float | None = None) -> Callable:
@@ -22,8 +22,8 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
     first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as
     recorded for this forward, see ``MaskCache.rows``; positions as ``slopes.relative_distance``).
     """
-    kind, sinks = alibi.kind, alibi.sinks
-    starts, end = alibi.masks.rows() if sinks else (None, None)
+    kind, sinks, rounding = alibi.kind, alibi.sinks, alibi.rounding
+    starts, end = alibi.masks.rows() if sinks or rounding is not None else (None, None)
     end = kv_len if end is None else end
     query_offset, key_offset = end - q_len, max(0, end - kv_len)
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
@@ -54,6 +54,18 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
         return learned_mod
     slopes = alibi.fixed_slopes(device)
     half = alibi.num_heads // 2
+    if rounding is not None:  # causal (KeyRounding): t(p_j) - t(p_i), positions from the row's (document's) start
+        query_pos, key_pos = row_positions(q_len, kv_len, starts, end, device=device)  # (B|1, q), (B|1, kv)
+        keys, queries = rounding.terms(slopes, key_pos), rounding.terms(slopes, query_pos)  # (H, B|1, kv), (H, B|1, q)
+        one_row = keys.shape[1] == 1
+
+        def rounded_mod(score, b, h, q_idx, kv_idx):
+            row = 0 if one_row else b
+            distance = q_idx + query_offset - (kv_idx + key_offset)
+            biased = capped(score) + keys[h, row, kv_idx] - queries[h, row, q_idx]
+            return torch.where(distance >= 0, biased, -float("inf"))
+
+        return rounded_mod
 
     def fixed_mod(score, b, h, q_idx, kv_idx):
         key = kv_idx + key_offset

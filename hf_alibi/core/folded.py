@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
-from .slopes import CAUSAL, sink_keys
+from .slopes import CAUSAL, KeyRounding, row_positions, sink_keys
 
 ROW, CHANNEL = "row", "channel"
 FOLD_CONSTRUCTIONS = (ROW, CHANNEL)
@@ -122,6 +122,27 @@ def _sink_fold_channels(
     return torch.cat([ones, query_channel], dim=-1), torch.cat([key_channel, indicator], dim=-1)
 
 
+def _rounded_fold_channels(
+    slopes: torch.Tensor, rounding: KeyRounding, q_len: int, kv_len: int, scaling: float, dtype: torch.dtype, starts,
+    end,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The query ``(1, H, q, n)`` and key ``(B|1, H, kv, n)`` channels of a bias rounded per key: ``t(p_j)`` (less a
+    constant per row and head, to halve its magnitude) on the keys, each row's positions counted from its start."""
+    exact = torch.promote_types(dtype, torch.float32)
+    _, key_pos = row_positions(q_len, kv_len, starts, end, device=slopes.device)  # (B|1, kv)
+    terms = rounding.terms(slopes, key_pos.to(exact)).transpose(0, 1)  # (B|1, H, kv)
+    terms = terms - (terms.amax(-1, keepdim=True) + terms.amin(-1, keepdim=True)) / 2
+    channel = terms / scaling
+    power = 1.0
+    if dtype == torch.float16:  # as _fold_channels: keep |channel| <= 2^14 (fp16 ends at 65504)
+        while float(channel.abs().max()) / power > FP16_CHANNEL_LIMIT:
+            power *= 2.0
+        channel = channel / power
+    key_channel = _split(channel, dtype)  # (B|1, H, kv, n)
+    n = key_channel.shape[-1]
+    return key_channel.new_full((), power).expand(1, slopes.shape[0], q_len, n), key_channel
+
+
 def _fold_channels(
     slopes: torch.Tensor, kv_len: int, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, float]:
@@ -162,6 +183,7 @@ def folded_causal_attention(
     sinks: int = 0,
     starts: torch.Tensor | None = None,
     end: int | None = None,
+    rounding: KeyRounding | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Causal ALiBi through SDPA's causal kernel with no L x L tensor, in fp32, fp64, bf16 or fp16.
 
@@ -198,6 +220,9 @@ def folded_causal_attention(
     ``(B,)`` or ``None``) get bias 0; two channel groups instead of one, see :func:`_sink_fold_channels`
     (``end``: the sequence's true end, which places queries and keys of static and sliding caches).
 
+    ``rounding`` (a bias rounded per key, :class:`~hf_alibi.core.slopes.KeyRounding`): ``b_j`` is its ``t(p_j)``,
+    each row's positions counted from ``starts``, on either construction (the row: no mask, so no padding).
+
     transformers' mask is used as it is: ``None`` (pure causal: ``is_causal``, with the keys cut to
     the queries exactly as transformers' sdpa does, whose ``None`` means top-left alignment) or a
     boolean / additive mask that already holds causality and padding for any cache offset.
@@ -223,8 +248,13 @@ def folded_causal_attention(
         if key.shape[1] != heads and not _CPU_FLASH_GQA:  # torch >= 2.5 shares KV heads in the kernel itself
             key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
         exact = torch.promote_types(query.dtype, torch.float32)
-        positions = torch.arange(kv_len, device=query.device, dtype=exact) - (kv_len - 1) / 2
-        row = (slopes.to(exact)[:, None] * positions).view(1, heads, 1, kv_len)  # fp32 (fp64 for fp64)
+        positions = torch.arange(kv_len, device=query.device, dtype=exact)
+        if rounding is None:
+            row = slopes.to(exact)[:, None] * (positions - (kv_len - 1) / 2)  # fp32 (fp64 for fp64)
+        else:  # no mask: no padding, every row's keys start at 0
+            row = rounding.terms(slopes, positions)
+            row = row - (row.amax(-1, keepdim=True) + row.amin(-1, keepdim=True)) / 2
+        row = row.view(1, heads, 1, kv_len)
         if attention_mask is not None:  # not the default choice (an L x L merge), but correct
             if attention_mask.dtype == torch.bool:
                 row = torch.where(attention_mask, row, -float("inf"))
@@ -237,6 +267,10 @@ def folded_causal_attention(
     if sinks:
         q_channels, k_channels = _sink_fold_channels(
             slopes, q_len, kv_len, scaling, query.dtype, sinks, starts, end
+        )  # (1, H, q, n), (B|1, H, kv, n)
+    elif rounding is not None:
+        q_channels, k_channels = _rounded_fold_channels(
+            slopes, rounding, q_len, kv_len, scaling, query.dtype, starts, end
         )  # (1, H, q, n), (B|1, H, kv, n)
     else:
         channels, power = _fold_channels(slopes, kv_len, scaling, query.dtype)  # (H, kv, n)

@@ -72,18 +72,20 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
 @dataclass(frozen=True)
 class ForwardSetup:
     """What a converted model's forward reads before it runs: the model's mask cache, whether anything in the
-    model reads position ids (a retained table or rotary, ``strategies.POSITION_READERS``), its sinks."""
+    model reads position ids (a retained table or rotary, ``strategies.POSITION_READERS``), its sinks, and whether
+    its bias needs each row's start without sinks (a bias rounded per key, ``slopes.KeyRounding``)."""
 
     masks: MaskCache
     reads_positions: bool
     sinks: int
+    records_rows: bool = False
 
 
 def before_forward(setup: ForwardSetup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Before a forward of a converted model (or its base): the position ids (:func:`_read_position_ids`) and,
     with sinks, where each row starts (:func:`_record_rows`), recorded for this forward."""
     args, kwargs = _read_position_ids(setup.masks, setup.reads_positions, module, args, kwargs)
-    if setup.sinks:
+    if setup.sinks or setup.records_rows:
         _record_rows(setup.masks, module, args, kwargs)
     return args, kwargs
 

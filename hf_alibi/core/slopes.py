@@ -11,11 +11,15 @@ The bias a head ``h`` adds to the score of query ``i`` and key ``j`` is ``-m_h *
 
 Every form is built in float32 and returns masked positions as ``masked_value`` (never ``-inf``,
 so that a fully masked row stays finite), shaped ``(1, H, q_len, kv_len)``.
+
+A causal bias may be rounded per key (:class:`KeyRounding`, Falcon's code): ``t(p_j) - t(p_i)`` with ``t(p) =
+factor * round(m' * p)``; every kernel renders it from :meth:`KeyRounding.terms`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -106,6 +110,62 @@ def scaled_slopes_list(n_heads: int, slope_scale: float = 1.0, slopes: list | No
     return [s * slope_scale for s in get_slopes_list(n_heads)]
 
 
+@dataclass(frozen=True)
+class KeyRounding:
+    """A causal bias computed per key position and rounded, as Falcon's code does: the bias of query ``i`` on key
+    ``j`` is ``t(p_j) - t(p_i)`` with ``t(p) = factor * round(m' * round(p))``, ``m' = round(slope / factor)``, each
+    rounded to ``dtype``, and ``p`` a token's position counted from its row's (document's, request's) first real token
+    (torch's ``bf16_tensor * int_tensor`` rounds the integers to bf16 first: 1023 becomes 1024).
+    Softmax ignores ``t(p_i)``, a constant per query; ``t`` is linear (the plain bias) wherever ``m' * p`` is exact in
+    ``dtype``: for bf16 up to 256 tokens with power-of-two slopes, and not at all for other slopes.
+
+    Falcon-RW: ``dtype="bfloat16"`` (``slopes.bfloat16() * positions``) and ``factor`` its ``1/sqrt(head_dim)``,
+    the scaling its bias is added before (the slopes a layer holds are ``m' * factor``).
+
+    >>> KeyRounding("bfloat16", 1.0).terms(torch.tensor([0.5, 0.8]), torch.tensor([300.0]))
+    tensor([[150.],
+            [240.]])
+    """
+
+    dtype: str
+    factor: float = 1.0
+
+    def terms(self, slopes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``t(p)`` for every head: ``(H, *positions.shape)``, in fp32 (fp64 for fp64 positions)."""
+        rounding = getattr(torch, self.dtype)
+        exact = torch.promote_types(positions.dtype, torch.float32)
+        raw = (slopes.double() / self.factor).to(rounding).float()  # m': the slope the model's code rounds
+        # as torch multiplies a bf16 tensor by an integer one: the positions rounded to bf16 too, the product (exact
+        # in fp32: two 8-bit significands) rounded once
+        positions = positions.float().clamp(min=0).to(rounding).float()
+        product = (raw.view(-1, *(1,) * positions.dim()) * positions).to(rounding)
+        return product.to(exact) * self.factor
+
+
+def row_positions(
+    q_len: int, kv_len: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's and key's position counted from its row's first real token (:class:`KeyRounding`'s ``p``),
+    float32 ``(B|1, q)`` and ``(B|1, kv)``. ``starts`` as :func:`sink_keys` takes it (``(B,)`` row starts, or
+    ``(B|1, kv)`` each key's document start); ``end`` places the queries as :func:`relative_distance` does.
+
+    >>> row_positions(2, 4, torch.tensor([0, 1]), None)[1]
+    tensor([[ 0.,  1.,  2.,  3.],
+            [-1.,  0.,  1.,  2.]])
+    """
+    end = kv_len if end is None else end
+    key_offset = max(0, end - kv_len)
+    key_pos = torch.arange(kv_len, device=device) + key_offset
+    query_pos = torch.arange(end - q_len, end, device=device)
+    if starts is None:
+        return query_pos[None].float(), key_pos[None].float()
+    starts = starts.to(device)
+    if starts.dim() == 1:
+        return (query_pos - starts[:, None]).float(), (key_pos - starts[:, None]).float()
+    query_starts = starts[:, (query_pos - key_offset).clamp(min=0)]  # per key: a query is one of the keys
+    return (query_pos - query_starts).float(), (key_pos - starts).float()
+
+
 def alibi_bias(
     kind: str,
     q_len: int,
@@ -117,6 +177,7 @@ def alibi_bias(
     sinks: int = 0,
     starts: torch.Tensor | None = None,
     end: int | None = None,
+    rounding: KeyRounding | None = None,
 ) -> torch.Tensor:
     """The additive ALiBi bias of one attention layer, float32, shape ``(1, H, q_len, kv_len)``.
 
@@ -126,6 +187,8 @@ def alibi_bias(
     ``sinks > 0``: the first ``sinks`` real keys of each row (from ``starts``, see :func:`sink_keys`)
     get bias 0 wherever they may be seen; the result is then ``(B, H, q, kv)`` when ``starts`` is given.
     ``end``: the queries' true end position (see :func:`relative_distance`).
+    ``rounding`` (causal only, no sinks): the bias rounded per key (:class:`KeyRounding`), ``(B|1, H, q, kv)`` with
+    each row's positions counted from ``starts``.
 
     >>> alibi_bias("symmetric", 3, 3, torch.tensor([0.5]))[0, 0]
     tensor([[ 0.0000, -0.5000, -1.0000],
@@ -136,6 +199,13 @@ def alibi_bias(
         raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
     distance = relative_distance(q_len, kv_len, device=slopes.device, end=end)  # (q, kv), i - j
     slopes = slopes.float()[:, None, None]  # (H, 1, 1)
+    if rounding is not None:
+        if kind != CAUSAL or sinks:
+            raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
+        query_pos, key_pos = row_positions(q_len, kv_len, starts, end, device=slopes.device)
+        keys, queries = rounding.terms(slopes, key_pos), rounding.terms(slopes, query_pos)  # (H, B|1, kv), (H, B|1, q)
+        bias = (keys[:, :, None, :] - queries[:, :, :, None]).transpose(0, 1)  # (B|1, H, q, kv)
+        return bias.masked_fill(distance < 0, masked_value)
     if kind == LEARNED:
         if slopes_right is None:
             raise ValueError("The learned ALiBi bias needs both left and right slopes.")

@@ -330,8 +330,9 @@ def test_saved_folder_is_the_original_format_and_plain_transformers_loads_it(cas
         torch.testing.assert_close(reloaded(ids).logits, ours, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.model_type != "mpt"], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.model_type == "bloom"], ids=lambda c: c.name)
 def test_flash_through_alibi_slopes_is_close_to_transformers(case, monkeypatch):
+    # Falcon refuses flash (test_falcon_refuses_flash_which_cannot_round_its_bias); MPT too (its mask cast)
     # the kernels stood in on the CPU from flash-attn's documented contract (tests/flash_standin.py), in bf16
     kernels = (flash_standin.flash_attn_func, flash_standin.flash_attn_varlen_func)
     monkeypatch.setattr(flash, "flash_kernels", lambda device: kernels)
@@ -462,16 +463,80 @@ def test_lora_on_the_fused_qkv_trains_as_on_transformers(case):
 FALCON_32 = NativeCase("falcon-rw-32", "falcon", dict(FALCON_RW, num_attention_heads=32, hidden_size=64))
 
 
-def test_falcon_32_heads_slopes_are_falcons_bf16_ones_and_only_its_bias_rounding_differs():
-    # transformers' Falcon computes each key's bias as bf16(bf16(m) * j): the slopes' rounding is data hf_alibi
-    # keeps (the slopes below equal Falcon's own exactly), the product's rounding (up to 2^-9 of m * j) is not, so the
-    # logits differ by that much, growing with length (measured: 1e-4 at 4 tokens, 9e-4 at 12, 4e-3 at 40)
+def test_falcon_32_heads_slopes_are_falcons_bf16_ones():
     original, model = patched(FALCON_32)
     expected = _transformers_slopes(FALCON_32, model)
     assert list(attentions(model)[0].alibi.slope_values) == pytest.approx(expected, rel=1e-12)
     unrounded = [s / math.sqrt(2) for s in hf_alibi.get_slopes_list(32)]  # head_dim 2
     assert max(abs(a - b) / b for a, b in zip(unrounded, expected)) > 1e-3  # the rounding is real at 32 heads
-    ids = random_ids(2, 12)
+
+
+ROUNDED_LENGTH = 300  # past 256: bf16 holds neither m * p nor p itself exactly any more
+
+
+def _unrounded(model):
+    """A copy of ``model`` whose layers add the plain linear bias (the per-key rounding taken out)."""
+    plain = copy.deepcopy(model)
+    for attention in attentions(plain):
+        attention.alibi.rounding = None
+        attention.alibi.path = attention.alibi.path  # what the merged masks are shared by
+    return plain
+
+
+def test_falcon_bias_rounded_per_key_equals_transformers_on_every_backend():
+    """transformers' Falcon computes each key's bias as bf16(bf16(m) * bf16(p)), p counted from the row's first real
+    token: the rounding is data (KeyRounding) that every path renders. 32 heads (slopes 2^(-h/4), none exact in bf16
+    products), 300 tokens, left padding; the plain linear bias misses by far more (checked, so the check can fail)."""
+    original, model = patched(FALCON_32)
+    ids = random_ids(2, ROUNDED_LENGTH)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
     with torch.no_grad():
-        error = (model(ids).logits - original(ids).logits).abs().max().item()
-    assert error < 2e-3
+        expected = original(ids, attention_mask=mask).logits
+        unpadded = original(ids).logits
+        for backend in BACKENDS:
+            model.set_attn_implementation(backend)
+            got = model(ids, attention_mask=mask).logits
+            torch.testing.assert_close(got[0], expected[0], rtol=0, atol=2e-5, msg=backend)
+            torch.testing.assert_close(got[1, 37:], expected[1, 37:], rtol=0, atol=2e-5, msg=backend)
+            torch.testing.assert_close(model(ids).logits, unpadded, rtol=0, atol=2e-5, msg=backend)  # no mask at all
+        model.set_attn_implementation("sdpa")
+        assert (_unrounded(model)(ids).logits - unpadded).abs().max() > 1e-3
+
+
+def test_falcon_bias_rounded_per_key_in_generation_and_continuous_batching():
+    """The rounded bias through the dynamic cache (decoding rows on the bias path), a static cache, and continuous
+    batching (positions counted within each request): each step's scores against transformers' own Falcon."""
+    original, model = patched(FALCON_32)
+    ids = random_ids(2, ROUNDED_LENGTH - 20)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    with torch.no_grad():
+        expected = original.generate(ids, **kwargs)
+        for cache in ("dynamic", "static"):
+            got = model.generate(ids, cache_implementation=cache, **kwargs)
+            assert torch.equal(got.sequences, expected.sequences), cache
+            for mine, theirs in zip(got.scores, expected.scores):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5, msg=cache)
+    requests = [ids[1].tolist(), ids[1, :20].tolist()]
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batches = transformers.ContinuousBatchingConfig(num_blocks=64, page_size=16, max_batch_tokens=64,
+                                                    max_requests_per_batch=2, return_logprobs=True)  # fmt: skip
+    outputs = list(model.generate_batch(requests, generation_config=config, continuous_batching_config=batches,
+                                        progress_bar=False).values())  # fmt: skip
+    for prompt, output in zip(requests, outputs):
+        full = torch.tensor([prompt + output.generated_tokens])
+        with torch.no_grad():
+            logits = original(full).logits[0, len(prompt) - 1 : -1].double()
+        assert logits.argmax(-1).tolist() == output.generated_tokens
+        chosen = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor(output.generated_tokens)]
+        torch.testing.assert_close(torch.tensor(output.logprobs, dtype=torch.float64), chosen, rtol=0, atol=2e-5)
+
+
+def test_falcon_refuses_flash_which_cannot_round_its_bias():
+    _, model = patched(FALCON_32)
+    with pytest.raises(ValueError, match="cannot round each key's bias to bfloat16") as error:
+        model.set_attn_implementation("flash_attention_2")
+    assert "\n" not in str(error.value) and model.config._attn_implementation == "sdpa"
