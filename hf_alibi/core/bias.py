@@ -68,6 +68,7 @@ class AlibiBias(nn.Module):
             self.slopes_right = nn.Parameter(torch.empty(num_heads))
             self.reset_parameters()
         self._slopes_by_device: dict[torch.device, torch.Tensor] = {}
+        self._terms_by_device: dict[torch.device, torch.Tensor] = {}  # rounding: t(p) over positions 0..n-1
 
     def reset_parameters(self) -> None:
         """The seed's initialisation of the learned slopes: normal(-2, 1) before the -sigmoid."""
@@ -96,6 +97,9 @@ class AlibiBias(nn.Module):
             return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         starts, end = (None, None) if plain else self.masks.rows()
         if self.rounding is not None:
+            unpadded = starts is None or (starts.dim() == 1 and not bool(starts.any()))
+            if q_len == 1 and not is_exporting() and unpadded:
+                return self._rounded_decoding_row(kv_len, end, device)  # a view of a kept table, less a column
             slopes = self.fixed_slopes(device)
             return alibi_bias(CAUSAL, q_len, kv_len, slopes, masked_value=masked_value, starts=starts, end=end,
                               rounding=self.rounding)  # fmt: skip
@@ -104,6 +108,19 @@ class AlibiBias(nn.Module):
             left, right = self.learned_slopes()
             return alibi_bias(LEARNED, q_len, kv_len, left, slopes_right=right, masked_value=masked_value, **sinks)
         return alibi_bias(self.kind, q_len, kv_len, self.fixed_slopes(device), masked_value=masked_value, **sinks)
+
+    def _rounded_decoding_row(self, kv_len: int, end: int | None, device: torch.device) -> torch.Tensor:
+        """A decoding step's bias rounded per key, no padding: ``t(p_j) - t(p_q)``, fp32 ``(1, H, 1, kv_len)``, from
+        a table of ``t`` over positions kept per device (grown by doubling), not built per step."""
+        end = kv_len if end is None else end
+        key_offset = max(0, end - kv_len)
+        size = max(end, key_offset + kv_len)
+        table = self._terms_by_device.get(device)
+        if table is None or table.shape[1] < size:
+            length = max(256, 1 << (size - 1).bit_length())
+            positions = torch.arange(length, device=device, dtype=torch.float32)
+            table = self._terms_by_device[device] = self.rounding.terms(self.fixed_slopes(device), positions)
+        return (table[:, key_offset : key_offset + kv_len] - table[:, end - 1 : end])[None, :, None, :]
 
     @property
     def path(self) -> str:
