@@ -70,7 +70,6 @@ class NativeArchitecture:
     # The base model is handed hf_alibi's 4D boolean mask (:func:`boolean_causal_mask`): MPT casts transformers' mask
     # to bool (sdpa's None crashes there), Falcon always materialises it (the fold then cannot use its fastest form)
     boolean_mask: bool = False
-    flash: bool = True  # whether flash-attn can run (it takes transformers' 2D mask; MPT's cast refuses that)
     strategy: str = NATIVE
 
     def uses_alibi(self, config) -> bool:
@@ -170,7 +169,6 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0, records_rows=rows)
     if row.boolean_mask:
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
-        base._native_flash = row.flash
     if base is not model:  # the masks live for one forward: the base's end releases them too (a direct call)
         base.register_forward_hook(masks.release)
     config = model.config
@@ -194,6 +192,8 @@ class NativeAlibiAttention(nn.Module):
         mask = values.get("attention_mask")
         if row.boolean_mask and is_causal_mark(mask):
             mask = None  # causality is all that masks: the backends' causal case (the fold's fastest form)
+        elif row.boolean_mask and mask is not None and self.config._attn_implementation.startswith("flash"):
+            mask = mask[:, 0, -1, :]  # flash-attn takes the 2D padding mask: the boolean one's last query's row
         batch, length, _ = hidden_states.shape
         heads, head_dim = self.alibi.num_heads, self.head_dim
         fused = getattr(self, row.qkv)(hidden_states)  # (B, L, 3 H d)
@@ -294,11 +294,6 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
                         f"flash-attn's ALiBi cannot round each key's bias to {row.key_rounding} as {row.model_type}'s "
                         "own code does: use attn_implementation 'sdpa', 'eager' or 'flex_attention'."
                     )
-                if not row.flash and name.startswith("flash"):
-                    raise ValueError(
-                        f"hf_alibi runs {row.model_type} with attn_implementation 'sdpa', 'eager' or 'flex_attention' "
-                        f"({row.model_type}'s forward casts its mask to a 4D boolean one, which {name} cannot take)."
-                    )
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
@@ -315,7 +310,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             "init_continuous_batching": init_continuous_batching,
             "_supports_sdpa": True,
             "_supports_flex_attn": True,
-            "_supports_flash_attn": row.flash,
+            "_supports_flash_attn": row.key_rounding is None,
             "_can_set_attn_implementation_cached_value": True,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,
@@ -346,7 +341,8 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     crash) and Falcon always materialises it, so neither can say "causal only": where nothing else masks (no padding,
     no cached keys) the mask is a broadcast view of True (:func:`is_causal_mark`, no memory), which the attention reads
     as no mask (not while traced: a graph may copy the view). A 4D mask or a BlockMask passes (generate() makes one
-    for a static cache), and so does everything on flash (it takes transformers' 2D mask).
+    for a static cache). On flash too (MPT's forward would call ``.to(torch.bool)`` on flash's ``None``): the
+    attention hands flash-attn the 2D padding mask read back from the boolean one.
     """
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.is_floating_point():
@@ -356,8 +352,6 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
         return args, kwargs
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         return args, kwargs  # made by transformers for the whole cache: 4D, or flex's BlockMask (a static cache)
-    if getattr(module, "_native_flash", False) and str(module.config._attn_implementation).startswith("flash"):
-        return args, kwargs
     if args:  # positional input ids (the task models pass them so) bound by name, the names read once per class
         kwargs, args = bound_arguments(module, args, kwargs), ()
     tokens = kwargs.get("input_ids")

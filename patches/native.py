@@ -13,7 +13,7 @@ ROWS: list[NativeArchitecture] = [
     NativeArchitecture(
         "mpt", "blocks.*.attn", "Wqkv", "out_proj", layout=BLOCKS, slopes=MPT, bias_max="attn_config.alibi_bias_max",
         scaling="softmax_scale", dropout="attn_dropout_p", cache="cache", clip="clip_qkv",
-        alibi_flag="attn_config.alibi", boolean_mask=True, flash=False,
+        alibi_flag="attn_config.alibi", boolean_mask=True,
     ),
     # Falcon-RW: BLOOM's slopes rounded to bf16 and each key's bias m * p rounded to bf16 (as its code does), the
     # bias added before the 1/sqrt(d) scaling (the slopes scaled by it); rotary Falcons refused

@@ -330,9 +330,10 @@ def test_saved_folder_is_the_original_format_and_plain_transformers_loads_it(cas
         torch.testing.assert_close(reloaded(ids).logits, ours, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.model_type == "bloom"], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.model_type != "falcon"], ids=lambda c: c.name)
 def test_flash_through_alibi_slopes_is_close_to_transformers(case, monkeypatch):
-    # Falcon refuses flash (test_falcon_refuses_flash_which_cannot_round_its_bias); MPT too (its mask cast)
+    # Falcon refuses flash (test_falcon_refuses_flash_which_cannot_round_its_bias). MPT's forward casts its mask to
+    # bool: it is handed the boolean one, and flash-attn gets the 2D padding mask read back from it
     # the kernels stood in on the CPU from flash-attn's documented contract (tests/flash_standin.py), in bf16
     kernels = (flash_standin.flash_attn_func, flash_standin.flash_attn_varlen_func)
     monkeypatch.setattr(flash, "flash_kernels", lambda device: kernels)
@@ -341,7 +342,7 @@ def test_flash_through_alibi_slopes_is_close_to_transformers(case, monkeypatch):
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     with torch.no_grad():
-        expected = original(ids, attention_mask=mask).logits
+        expected = case.reference(original, 40)(ids, attention_mask=mask).logits
         store_attn_implementation(model.config, "flash_attention_2")  # transformers' setter wants flash-attn
         got = model.to(torch.bfloat16)(ids, attention_mask=mask).logits.float()
     assert {a.alibi.last_path for a in attentions(model)} == {"flash"}
@@ -349,11 +350,27 @@ def test_flash_through_alibi_slopes_is_close_to_transformers(case, monkeypatch):
     assert (got - expected)[real].abs().max().item() < 0.05 * expected[real].abs().max().item()
 
 
-def test_mpt_refuses_flash_in_one_line():
-    _, model = patched(CASES[2])
-    with pytest.raises(ValueError, match="'sdpa', 'eager' or 'flex_attention'") as error:
-        model.set_attn_implementation("flash_attention_2")
-    assert "\n" not in str(error.value) and model.config._attn_implementation == "sdpa"
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: c.name)
+def test_flash_generation_with_the_cache_follows_transformers(case, monkeypatch):
+    """Greedy generation on flash (the CPU stand-in, bf16), left padded, through the cache: each step's scores close
+    to transformers' own fp32 ones (MPT with the cache asked for: its config turns it off)."""
+    kernels = (flash_standin.flash_attn_func, flash_standin.flash_attn_varlen_func)
+    monkeypatch.setattr(flash, "flash_kernels", lambda device: kernels)
+    original, model = patched(case)
+    ids = random_ids(2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                  use_cache=True, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    with torch.no_grad():
+        expected = case.reference(original, 16).generate(ids, **kwargs)
+        store_attn_implementation(model.config, "flash_attention_2")
+        got = model.to(torch.bfloat16).generate(ids, **kwargs)
+    assert {a.alibi.last_path for a in attentions(model)} == {"flash"}
+    for mine, theirs in zip(got.scores, expected.scores):  # min_new_tokens makes the end token -inf on both
+        finite = theirs.isfinite()
+        assert torch.equal(mine.isfinite(), finite)
+        assert (mine.float() - theirs)[finite].abs().max() < 0.05 * theirs[finite].abs().max()
 
 
 def test_info_says_a_saved_folder_is_natively_alibi(tmp_path, capsys):
