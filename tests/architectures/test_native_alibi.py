@@ -137,6 +137,16 @@ def test_greedy_generation_with_the_cache_equals_transformers(case):
         assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+def padded_prompts(length: int, pad: int, new_tokens: int) -> tuple[torch.Tensor, dict]:
+    """Two prompts of ``length``, the first left padded by ``pad``, and greedy generate()'s keywords returning every
+    step's scores (the cache asked for: MPT's config turns it off)."""
+    ids = random_ids(2, length)
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return ids, dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                     pad_token_id=0, use_cache=True, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6]], ids=lambda c: c.name)
 def test_static_cache_generation_scores_equal_transformers_dynamic_cache(case):
     """generate(cache_implementation="static"), left padded, on every backend: each step's scores against transformers'
@@ -144,11 +154,7 @@ def test_static_cache_generation_scores_equal_transformers_dynamic_cache(case):
     default: use_cache=True asks for it). generate() hands a static cache's models a 4D mask it makes itself, eager's
     additive, which MPT's forward would cast to bool the wrong way round."""
     original, model = patched(case)
-    ids = random_ids(2, 10)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                  use_cache=True, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    ids, kwargs = padded_prompts(10, 3, 8)
     with torch.no_grad():
         expected = case.reference(original, 18).generate(ids, **kwargs)
         for backend in BACKENDS:
@@ -357,11 +363,7 @@ def test_flash_generation_with_the_cache_follows_transformers(case, monkeypatch)
     kernels = (flash_standin.flash_attn_func, flash_standin.flash_attn_varlen_func)
     monkeypatch.setattr(flash, "flash_kernels", lambda device: kernels)
     original, model = patched(case)
-    ids = random_ids(2, 10)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                  use_cache=True, return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    ids, kwargs = padded_prompts(10, 3, 6)
     with torch.no_grad():
         expected = case.reference(original, 16).generate(ids, **kwargs)
         store_attn_implementation(model.config, "flash_attention_2")
@@ -525,11 +527,7 @@ def test_falcon_bias_rounded_per_key_in_generation_and_continuous_batching():
     """The rounded bias through the dynamic cache (decoding rows on the bias path), a static cache, and continuous
     batching (positions counted within each request): each step's scores against transformers' own Falcon."""
     original, model = patched(FALCON_32)
-    ids = random_ids(2, ROUNDED_LENGTH - 20)
-    mask = torch.ones_like(ids)
-    mask[0, :9] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                  return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    ids, kwargs = padded_prompts(ROUNDED_LENGTH - 20, 9, 6)
     with torch.no_grad():
         expected = original.generate(ids, **kwargs)
         for cache in ("dynamic", "static"):

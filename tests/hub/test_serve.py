@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,39 +38,34 @@ NEW_TOKENS = 12
 READY_SECONDS = 60
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A converted tiny Llama with a tokenizer trained here and a chat template (prompts past its 16 positions)."""
-    path = tmp_path_factory.mktemp("served")
+def chat_folder(path, build) -> Path:
+    """``path`` holding ``build(tokens)`` (a model from the token ids it needs), saved, and a tokenizer trained here
+    with a chat template (prompts past 16 positions)."""
     tokenizer = train_tokenizer(TEXTS * 20, vocab_size=400)
     tokenizer.chat_template = TEMPLATE
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=16, bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    model = hf_alibi.patch_model(transformers.LlamaForCausalLM(config).eval())
-    model.save_pretrained(path)
+    tokens = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    build(tokens).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A converted tiny Llama (16 positions)."""
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=16)  # fmt: skip
+    return chat_folder(tmp_path_factory.mktemp("served"), lambda tokens: hf_alibi.patch_model(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, **tokens)).eval()))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def bloom_folder(tmp_path_factory):
-    """A tiny BLOOM (trained with ALiBi: its original format, no hf_alibi in config.json), tokenizer as above."""
-    path = tmp_path_factory.mktemp("served-bloom")
-    tokenizer = train_tokenizer(TEXTS * 20, vocab_size=400)
-    tokenizer.chat_template = TEMPLATE
-    torch.manual_seed(0)
-    config = transformers.BloomConfig(
-        vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    transformers.BloomForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """A tiny BLOOM (trained with ALiBi: its original format, no hf_alibi in config.json)."""
+    config = dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5)
+    return chat_folder(tmp_path_factory.mktemp("served-bloom"), lambda tokens: transformers.BloomForCausalLM(
+        transformers.BloomConfig(**config, **tokens)))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +152,16 @@ def start(folder, *options: str) -> tuple[subprocess.Popen, int]:
     raise AssertionError(f"the server was not ready in {READY_SECONDS} s:\n{server.communicate()[0]}")
 
 
+def stop(server: subprocess.Popen) -> str:
+    """Stop the server; its whole log."""
+    server.terminate()
+    try:
+        return server.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return server.communicate()[0]
+
+
 @pytest.mark.parametrize("options", [(), ("--continuous-batching",)], ids=["plain", "continuous-batching"])
 def test_transformers_serve_answers_each_request_with_its_greedy_tokens(folder, expected, options):
     server, port = start(folder, *options)
@@ -169,12 +175,7 @@ def test_transformers_serve_answers_each_request_with_its_greedy_tokens(folder, 
             answers = list(pool.map(lambda q: ask(port, folder, q), QUESTIONS))
         assert answers == [expected[q] for q in QUESTIONS]
     finally:
-        server.terminate()
-        try:
-            log = server.communicate(timeout=10)[0]
-        except subprocess.TimeoutExpired:
-            server.kill()
-            log = server.communicate()[0]
+        log = stop(server)
     # transformers' own log of each request: which path served it
     assert f"CB: {bool(options)}" in log and f"CB: {not options}" not in log
 
@@ -189,12 +190,7 @@ def test_a_model_trained_with_alibi_is_served_on_hf_alibis_attention(bloom_folde
             answers = list(pool.map(lambda q: ask(port, bloom_folder, q), QUESTIONS))
         assert answers == [bloom_expected[q] for q in QUESTIONS]
     finally:
-        server.terminate()
-        try:
-            log = server.communicate(timeout=10)[0]
-        except subprocess.TimeoutExpired:
-            server.kill()
-            log = server.communicate()[0]
+        log = stop(server)
     assert "CB: True" in log and "CB: False" not in log
 
 
