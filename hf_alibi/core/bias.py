@@ -7,7 +7,7 @@ from torch import nn
 
 from .compat import is_exporting
 from .mask import MaskCache
-from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, get_slopes_list
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, get_slopes_list, offsets
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
 # into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
@@ -112,15 +112,14 @@ class AlibiBias(nn.Module):
     def _rounded_decoding_row(self, kv_len: int, end: int | None, device: torch.device) -> torch.Tensor:
         """A decoding step's bias rounded per key, no padding: ``t(p_j) - t(p_q)``, fp32 ``(1, H, 1, kv_len)``, from
         a table of ``t`` over positions kept per device (grown by doubling), not built per step."""
-        end = kv_len if end is None else end
-        key_offset = max(0, end - kv_len)
-        size = max(end, key_offset + kv_len)
+        query, key_offset = offsets(1, kv_len, end)
+        size = max(query + 1, key_offset + kv_len)
         table = self._terms_by_device.get(device)
         if table is None or table.shape[1] < size:
             length = max(256, 1 << (size - 1).bit_length())
             positions = torch.arange(length, device=device, dtype=torch.float32)
             table = self._terms_by_device[device] = self.rounding.terms(self.fixed_slopes(device), positions)
-        return (table[:, key_offset : key_offset + kv_len] - table[:, end - 1 : end])[None, :, None, :]
+        return (table[:, key_offset : key_offset + kv_len] - table[:, query : query + 1])[None, :, None, :]
 
     @property
     def path(self) -> str:

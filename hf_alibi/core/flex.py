@@ -10,7 +10,7 @@ from torch import nn
 from .compat import compiled_flex_attention, repeat_kv
 from .denormals import flushed
 from .packing import same_document
-from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, row_positions
+from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, offsets, row_positions
 
 
 def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softcap: float | None = None) -> Callable:
@@ -24,8 +24,7 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
     """
     kind, sinks, rounding = alibi.kind, alibi.sinks, alibi.rounding
     starts, end = alibi.masks.rows() if sinks or rounding is not None else (None, None)
-    end = kv_len if end is None else end
-    query_offset, key_offset = end - q_len, max(0, end - kv_len)
+    query_offset, key_offset = offsets(q_len, kv_len, end)
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
     first_row = starts.shape[0] == 1  # one start for every row
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
-from .slopes import CAUSAL, KeyRounding, row_positions, sink_keys
+from .slopes import CAUSAL, KeyRounding, offsets, row_positions, sink_keys
 
 ROW, CHANNEL = "row", "channel"
 FOLD_CONSTRUCTIONS = (ROW, CHANNEL)
@@ -101,14 +101,14 @@ def _sink_fold_channels(
     """
     exact = torch.promote_types(dtype, torch.float32)
     device = slopes.device
-    end = kv_len if end is None else end
-    key_offset = max(0, end - kv_len)
+    query_offset, key_offset = offsets(q_len, kv_len, end)
     centre = key_offset + (kv_len - 1) / 2
     key_pos = torch.arange(kv_len, device=device, dtype=exact) + (key_offset - centre)
-    query_pos = torch.arange(end - q_len, end, device=device, dtype=exact) - centre
+    query_pos = torch.arange(q_len, device=device, dtype=exact) + (query_offset - centre)
     power = 1.0
     if dtype == torch.float16:  # as _fold_channels: keep |channel| <= 2^14 (fp16 ends at 65504)
-        largest = max(abs(key_offset - centre), abs(end - q_len - centre), abs(end - 1 - centre), (kv_len - 1) / 2)
+        last = query_offset + q_len - 1
+        largest = max(abs(key_offset - centre), abs(query_offset - centre), abs(last - centre), (kv_len - 1) / 2)
         while largest / scaling / power > FP16_CHANNEL_LIMIT:
             power *= 2.0
     slopes = slopes.to(exact)[:, None] / scaling / power  # (H, 1)

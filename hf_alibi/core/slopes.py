@@ -58,6 +58,19 @@ def get_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.
     return torch.tensor(get_slopes_list(n_heads), dtype=torch.float32, device=device)
 
 
+def offsets(q_len: int, kv_len: int, end: int | None = None) -> tuple[int, int]:
+    """Where a call's queries and keys sit in the sequence, the one place that says it: query ``r`` at position
+    ``query_offset + r``, key ``j`` at ``key_offset + j``. The queries are the last ``q_len`` of the sequence's ``end``
+    positions (default: ``kv_len``, a cache holding the earlier ones); a static cache holds more slots than tokens
+    (``kv_len > end``: its keys start at 0), a sliding cache fewer (``kv_len < end``: at ``end - kv_len``).
+
+    >>> offsets(1, 8, end=5), offsets(1, 4, end=10), offsets(3, 6)
+    ((4, 0), (9, 6), (3, 0))
+    """
+    end = kv_len if end is None else end
+    return end - q_len, max(0, end - kv_len)
+
+
 def relative_distance(
     q_len: int, kv_len: int, device: torch.device | str | None = None, end: int | None = None
 ) -> torch.Tensor:
@@ -72,9 +85,9 @@ def relative_distance(
     """
     if q_len > kv_len:
         raise ValueError(f"ALiBi expects at least as many keys as queries, got q_len={q_len}, kv_len={kv_len}.")
-    end = kv_len if end is None else end
-    query_pos = torch.arange(end - q_len, end, device=device, dtype=torch.float32)
-    key_pos = torch.arange(kv_len, device=device, dtype=torch.float32) + max(0, end - kv_len)
+    query_offset, key_offset = offsets(q_len, kv_len, end)
+    query_pos = torch.arange(q_len, device=device, dtype=torch.float32) + query_offset
+    key_pos = torch.arange(kv_len, device=device, dtype=torch.float32) + key_offset
     return query_pos[:, None] - key_pos[None, :]  # (q, kv)
 
 
@@ -91,8 +104,7 @@ def sink_keys(
     tensor([[ True,  True, False, False],
             [False,  True,  True, False]])
     """
-    end = kv_len if end is None else end
-    key_pos = torch.arange(kv_len, device=device) + max(0, end - kv_len)
+    key_pos = torch.arange(kv_len, device=device) + offsets(0, kv_len, end)[1]
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
     starts = starts[:, None] if starts.dim() == 1 else starts  # (B, 1), or (B|1, kv) per key
     return ((key_pos >= starts) & (key_pos < starts + sinks))[:, None, None, :]
@@ -153,10 +165,9 @@ def row_positions(
     tensor([[ 0.,  1.,  2.,  3.],
             [-1.,  0.,  1.,  2.]])
     """
-    end = kv_len if end is None else end
-    key_offset = max(0, end - kv_len)
+    query_offset, key_offset = offsets(q_len, kv_len, end)
     key_pos = torch.arange(kv_len, device=device) + key_offset
-    query_pos = torch.arange(end - q_len, end, device=device)
+    query_pos = torch.arange(q_len, device=device) + query_offset
     if starts is None:
         return query_pos[None].float(), key_pos[None].float()
     starts = starts.to(device)
@@ -191,9 +202,9 @@ def alibi_bias(
     each row's positions counted from ``starts``.
 
     >>> alibi_bias("symmetric", 3, 3, torch.tensor([0.5]))[0, 0]
-    tensor([[ 0.0000, -0.5000, -1.0000],
-            [-0.5000,  0.0000, -0.5000],
-            [-1.0000, -0.5000,  0.0000]])
+    tensor([[-0.0000, -0.5000, -1.0000],
+            [-0.5000, -0.0000, -0.5000],
+            [-1.0000, -0.5000, -0.0000]])
     """
     if kind not in BIAS_KINDS:
         raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
