@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from .core.config import get_settings, is_alibi_config
 from .core.modeling import check_fits, check_sinks_fit, convert
-from .core.settings import FITTED, AlibiSettings, FittedSlopes, OriginalLength, conversion_options, presets
+from .core.settings import FITTED, AlibiSettings, FittedSlopes, TimesOriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
 from .native import NativeArchitecture, patch_native
@@ -78,7 +78,7 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     ``config`` is the ORIGINAL config (its ``max_position_embeddings`` is cleared by the conversion). A preset's
     value applies where its option's declaration says (``applies``: the rotary bound on rotary rows, the mean on
     absolute rows, sinks on models other than encoder-decoders ...; else the paper's value); an
-    :class:`OriginalLength` is that multiple of the original length. Explicit ``slopes`` drop a preset's
+    :class:`TimesOriginalLength` is that multiple of the original length. Explicit ``slopes`` drop a preset's
     ``slope_scale``; an explicit ``table_max_wavelength=0`` removes the table.
 
     >>> resolve_options(llama_config, get_architecture("llama"), "pretrained")  # doctest: +SKIP
@@ -92,7 +92,7 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
         value = PRESETS.get(preset, {}).get(f.name, f.default)
         if not _applies(f, row, config):
             value = f.default
-        if isinstance(value, OriginalLength):
+        if isinstance(value, TimesOriginalLength):
             value = value.times * length if length else None
         values[f.name] = value
     values.update({name: value for name, value in explicit.items() if value is not None})

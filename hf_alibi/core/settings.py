@@ -18,9 +18,9 @@ from .version import __version__
 
 
 @dataclass(frozen=True)
-class OriginalLength:
-    """A preset's wavelength bound as a multiple of the original ``max_position_embeddings`` (the rotary bound on
-    rotary rows, the table's on encoders' learned tables)."""
+class TimesOriginalLength:
+    """A preset's wavelength bound given as ``times`` the original length (``positions.original_length``: the
+    rotary bound on rotary rows, the table's on encoders' learned tables); a multiplier, not a length."""
 
     times: float = 1.0
 
@@ -56,7 +56,7 @@ def option(
     """A conversion option, declared once as a field of :class:`AlibiSettings` (saved in config.json):
     :func:`hf_alibi.patch_model`, ``settings_for``, ``recover`` and the checkpoint jobs take it as a keyword,
     ``hf-alibi convert`` and ``recover`` as ``--name-with-dashes`` (``parse``, ``flag_help``), each preset in
-    ``presets`` sets it (an :class:`OriginalLength`: that multiple of the original length) where
+    ``presets`` sets it (an :class:`TimesOriginalLength`: that multiple of the original length) where
     ``applies(row, original config)``, and ``hf-alibi info`` says it with ``describe(settings)`` (None: nothing).
     Its checks are :func:`check_pretrained_options`' (the one place): a value other than the default where
     ``applies(row, None)`` is False is refused with ``refusal`` (formatted with ``model_type``, ``strategy`` and
@@ -135,7 +135,7 @@ class AlibiSettings:
         "are removed: cos=1, sin=0). None: remove the rotary embedding entirely.",
         flag_help="rotary: keep wavelengths <= X",
         parse=float,
-        presets={"pretrained": OriginalLength(8.0)},
+        presets={"pretrained": TimesOriginalLength(8.0)},
         applies=lambda row, config: row.strategy == "rotary",
         refusal="rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position path. "
         "Leave it None.",
@@ -168,7 +168,7 @@ class AlibiSettings:
         "entirely (the paper).",
         flag_help="encoders' tables: keep wavelengths <= X (0: none)",
         parse=float,
-        presets={"pretrained": OriginalLength(1.0)},
+        presets={"pretrained": TimesOriginalLength(1.0)},
         applies=lambda row, config: row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
         refusal="table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
         "{model_type} is {kind}. Leave it None.",
