@@ -26,11 +26,11 @@ from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .denormals import bracket, flushed
+from .dense import eager_attention_forward, sdpa_attention_forward
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .mask import bias_mask, packed_causal_mask
-from .masked import eager_attention_forward, sdpa_attention_forward
 from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, alibi_name, check_backend
 from .slopes import CAUSAL
 
@@ -216,10 +216,10 @@ def _unsupported_backend(name: str) -> Callable:
     return forward
 
 
-# backend name -> attention function that receives the merged float mask (bias + padding + causality), masked.py
+# backend name -> attention function that receives the merged float mask (bias + padding + causality), dense.py
 BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward}
 # what layers without ALiBi (cross-attention) run, with transformers' own mask: transformers' sdpa under its public
-# name; for eager transformers shares no function (each model has its own), and masked.py's adds the additive float
+# name; for eager transformers shares no function (each model has its own), and dense.py's adds the additive float
 # mask transformers makes for eager as the models' own functions do
 PLAIN_BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
 # backends that apply the bias themselves, from the slopes (no bias tensor)

@@ -18,7 +18,7 @@ def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softca
 
     Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
     mask transformers made (a ``BlockMask``) handles padding. ``softcap`` caps the score before the
-    bias is added, as the eager path does (see ``masked.eager_attention_forward``). With sinks, the
+    bias is added, as the eager path does (see ``dense.eager_attention_forward``). With sinks, the
     first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as
     recorded for this forward, see ``MaskCache.rows``; positions as ``slopes.relative_distance``).
     """

@@ -1,5 +1,5 @@
-"""The mask-taking backends of the bias path: eager attention and torch's SDPA, each with one additive float mask
-(bias + padding + causality, ``mask.py``)."""
+"""The dense kernels of the bias path: eager attention and torch's SDPA, each taking one additive float mask, the
+bias merged with padding and causality (made and cached by ``mask.py``)."""
 
 from __future__ import annotations
 
