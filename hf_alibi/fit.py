@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from .core.architectures import find_architecture
 from .core.compat import attn_implementation
 from .core.config import is_alibi_config
-from .core.modeling import self_attentions
+from .core.conversion import self_attentions
 from .core.settings import FittedSlopes
 
 DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)

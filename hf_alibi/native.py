@@ -26,8 +26,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
+from .core.conversion import ForwardSetup, before_forward, bound_arguments
 from .core.mask import MaskCache
-from .core.modeling import ForwardSetup, before_forward, bound_arguments
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules

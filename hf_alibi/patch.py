@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .core.config import get_settings, is_alibi_config
-from .core.modeling import check_fits, check_sinks_fit, convert
+from .core.conversion import check_fits, check_sinks_fit, convert
 from .core.settings import FITTED, AlibiSettings, FittedSlopes, TimesOriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows

@@ -3,7 +3,7 @@
 Registering an architecture makes ``Alibi<Config>``, a subclass of the type's config class, and
 registers it with ``AutoConfig`` under ``"alibi_" + model_type``. For each of the type's transformers
 model classes (``GPT2Model``, ``GPT2LMHeadModel``, ...) it makes a subclass ``Alibi<Class>``
-(``core.modeling.alibi_model_class``) and registers it with the Auto classes: for a user's row at once,
+(``core.conversion.alibi_model_class``) and registers it with the Auto classes: for a user's row at once,
 for a built-in row when the row is first used (``patch_model``, ``hf_alibi.models.Alibi<Class>``, or
 the first ``Alibi<Config>`` made, which transformers always makes before it looks a model class up).
 That is what lets ``AutoModelForCausalLM.from_pretrained`` rebuild a converted checkpoint after
@@ -23,7 +23,7 @@ from transformers import CONFIG_MAPPING, AutoConfig
 from .core.architectures import REGISTERED, Architecture, find_architecture
 from .core.compat import auto_class_names
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
-from .core.modeling import alibi_model_class
+from .core.conversion import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
 from .native import NativeArchitecture
 from .patches import absolute, native, relative, rotary

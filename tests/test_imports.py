@@ -128,3 +128,17 @@ def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
+
+
+def test_the_renamed_core_modeling_module_warns_and_still_resolves():
+    """hf_alibi.core.modeling is hf_alibi.core.conversion now (CONTRIBUTING's deprecated names): the old name warns
+    once imported and gives the same objects (what code and pickles made before the rename name)."""
+    import importlib
+    import sys
+
+    from hf_alibi.core import conversion
+
+    sys.modules.pop("hf_alibi.core.modeling", None)
+    with pytest.warns(FutureWarning, match="hf_alibi.core.conversion"):
+        old = importlib.import_module("hf_alibi.core.modeling")
+    assert old.ForwardSetup is conversion.ForwardSetup and old.convert is conversion.convert

@@ -31,7 +31,7 @@ class AlibiBias(nn.Module):
     conversion; a layer built on its own gets its own).
     ``slopes`` (the fixed forms' slopes, one per head; default the paper's) and ``sinks`` (the first
     ``sinks`` real keys of each row carry no penalty; the row starts come from ``masks.rows()``, set
-    per forward by ``modeling.before_forward``) are the settings of ``AlibiSettings`` of those names.
+    per forward by ``conversion.before_forward``) are the settings of ``AlibiSettings`` of those names.
 
     >>> AlibiBias("causal", 4)
     AlibiBias(kind='causal', num_heads=4, path='auto')

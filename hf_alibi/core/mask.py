@@ -195,7 +195,7 @@ class MaskCache:
         return self._documents.get(threading.get_ident())
 
     def begin(self, documents: torch.Tensor | None, batch) -> None:
-        """The calling thread's forward, not traced (``modeling.before_forward``, before every forward): each
+        """The calling thread's forward, not traced (``conversion.before_forward``, before every forward): each
         token's document start in a packed row (as :meth:`set_documents`; ``None``: not packed), and whether it is
         a continuous-batching step (``batching.PagedBatch``, else ``None``)."""
         thread = threading.get_ident()
