@@ -24,7 +24,6 @@ SRC is only read. The Hub token is the usual one: ``HF_TOKEN`` or the stored ``h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -102,10 +101,7 @@ def _slopes_text(slopes: list) -> str:
 
 def _options_line(info: dict) -> str:
     """The conversion options of an info report as one line, each as its declaration says it."""
-    names = {f.name for f in dataclasses.fields(AlibiSettings)}
-    saved = {k: v for k, v in info.items() if k in names}
-    saved["slopes"] = info.get("slopes_given")  # info's "slopes" are the ones in use
-    return describe_options(AlibiSettings.from_dict(saved))
+    return describe_options(AlibiSettings.from_dict(info["alibi"]))
 
 
 class _Parser(argparse.ArgumentParser):

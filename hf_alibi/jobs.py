@@ -240,8 +240,9 @@ def _conversion_settings(src, config_dict: dict, heads, encoder_variant, preset,
 
 
 def checkpoint_info(path: str) -> dict:
-    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict: the settings of
-    ``config.alibi`` (``slopes_given``: explicit slopes or None) and ``slopes``, the slopes in use.
+    """What ``hf-alibi info`` reports about a checkpoint folder or Hub id, as a dict: ``alibi``, config.json's
+    settings as saved; the same settings flattened (``slopes_given``: explicit slopes or None) and ``slopes``, the
+    slopes in use.
 
     >>> checkpoint_info("gpt2-alibi")["heads"]  # doctest: +SKIP
     12
@@ -256,6 +257,7 @@ def checkpoint_info(path: str) -> dict:
     }
     if info["is_alibi"]:
         settings = AlibiSettings.from_dict(config_dict["alibi"])
+        info["alibi"] = settings.to_dict()  # as config.json has them: what describes the options, unrenamed
         info.update(settings.to_dict())
         info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
         info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
