@@ -300,7 +300,13 @@ def test_a_pickled_patched_model_loads_in_a_fresh_process_on_hf_alibis_paths(tmp
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=lambda c: c.name)
+# MPT in the default tier (its config's nested attn_config and max_seq_len); BLOOM and Falcon in the slow one (a
+# child process each, 6 s)
+SAVED_CASES = [pytest.param(CASES[1], marks=pytest.mark.slow), CASES[3],
+               pytest.param(CASES[6], marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SAVED_CASES, ids=lambda c: c.name)
 def test_saved_folder_is_the_original_format_and_plain_transformers_loads_it(case, tmp_path):
     original, model = patched(case)
     folder, plain = tmp_path / "saved", tmp_path / "plain"
