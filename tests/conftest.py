@@ -12,6 +12,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 # Trainer-step tests ran about 9x slower with two). One thread here and, through the environment, in every
 # child process (run_child, run_python, the scripts), unless OMP_NUM_THREADS says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture
+def gpt2_src(tmp_path):
+    """An unpatched tiny GPT-2 checkpoint with a tokenizer, as a user would have it on disk (the CLI tests)."""
+    from sharing import TINY_BY_TYPE, make_tokenizer
+
+    src = tmp_path / "src"
+    TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
+    make_tokenizer(src)
+    return src

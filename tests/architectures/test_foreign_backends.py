@@ -83,7 +83,7 @@ def test_reloading_with_the_reported_name_keeps_the_backend(tmp_path):
 
 def test_continuous_batching_runs_only_through_alibi_paths():
     # successor of test_continuous_batching_is_refused_in_one_line: transformers' continuous batching now runs a
-    # converted model through its alibi_<backend> function (tests/architectures/test_continuous_batching.py checks
+    # converted model through its alibi_<backend> function (tests/core/test_batching.py checks
     # the numbers); a backend without a paged ALiBi path, a foreign one included, is refused in one line and never runs
     from transformers import GenerationConfig
 
