@@ -258,7 +258,7 @@ def checkpoint_info(path: str) -> dict:
     if info["is_alibi"]:
         settings = AlibiSettings.from_dict(config_dict["alibi"])
         info["alibi"] = settings.to_dict()  # as config.json has them: what describes the options, unrenamed
-        info.update(settings.to_dict())
+        info.update(info["alibi"])
         info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
         info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))

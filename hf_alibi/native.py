@@ -27,7 +27,7 @@ from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.conversion import ForwardSetup, before_forward, bound_arguments
-from .core.mask import MaskCache
+from .core.mask import MaskCache, attends
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
@@ -348,7 +348,7 @@ def boolean_causal_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.is_floating_point():
         # transformers' additive mask (eager's; generate() makes one for a static cache), which MPT would cast to
         # bool as "True where masked": as a boolean one, True where a query attends
-        kwargs["attention_mask"] = mask > torch.finfo(mask.dtype).min / 2
+        kwargs["attention_mask"] = attends(mask)
         return args, kwargs
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         return args, kwargs  # made by transformers for the whole cache: 4D, or flex's BlockMask (a static cache)

@@ -7,7 +7,7 @@ from torch import nn
 
 from .compat import is_exporting
 from .mask import MaskCache
-from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, get_slopes_list, offsets
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, check_rounding, get_slopes_list, offsets
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
 # into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
@@ -56,8 +56,8 @@ class AlibiBias(nn.Module):
         self.kind = kind
         self.num_heads = num_heads
         self.slope_values = tuple(get_slopes_list(num_heads) if slopes is None else (float(s) for s in slopes))
-        if rounding is not None and (kind != CAUSAL or sinks):
-            raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
+        if rounding is not None:
+            check_rounding(kind, sinks)
         self.sinks = sinks
         self.rounding = rounding  # the bias rounded per key (Falcon's code), rendered by every path
         self.path = path

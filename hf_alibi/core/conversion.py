@@ -18,7 +18,7 @@ from .batching import make_manager, paged_batch
 from .bias import AlibiBias
 from .compat import cache_argument, is_exporting, register_recorded_outputs, zeros_unless_loaded
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
-from .mask import MaskCache
+from .mask import MaskCache, attends
 from .names import check_backend
 from .packing import document_starts, is_packed
 from .settings import AlibiSettings, is_per_layer
@@ -185,8 +185,7 @@ def _record_rows(masks: MaskCache, module: nn.Module, args: tuple, kwargs: dict)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # (B, 1, q, kv), e.g. generate() with a static cache
         # a row's first key that some query may see: padding is hidden from every query (and, on a full
         # attention layer's mask, nothing else is)
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        starts = allowed.any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
+        starts = attends(mask).any(dim=1).any(dim=1).to(torch.long).argmax(dim=-1)
     tokens = values.get("input_ids")
     tokens = tokens if tokens is not None else values.get("inputs_embeds")
     cache = cache_argument(values)

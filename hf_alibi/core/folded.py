@@ -122,6 +122,12 @@ def _sink_fold_channels(
     return torch.cat([ones, query_channel], dim=-1), torch.cat([key_channel, indicator], dim=-1)
 
 
+def _centred(terms: torch.Tensor) -> torch.Tensor:
+    """``terms`` less the middle of their range along the keys (a constant per row and head, which softmax
+    ignores): half the magnitude, so half the rounding, of the values the fold adds."""
+    return terms - (terms.amax(-1, keepdim=True) + terms.amin(-1, keepdim=True)) / 2
+
+
 def _rounded_fold_channels(
     slopes: torch.Tensor, rounding: KeyRounding, q_len: int, kv_len: int, scaling: float, dtype: torch.dtype, starts,
     end,
@@ -130,9 +136,7 @@ def _rounded_fold_channels(
     constant per row and head, to halve its magnitude) on the keys, each row's positions counted from its start."""
     exact = torch.promote_types(dtype, torch.float32)
     _, key_pos = row_positions(q_len, kv_len, starts, end, device=slopes.device)  # (B|1, kv)
-    terms = rounding.terms(slopes, key_pos.to(exact)).transpose(0, 1)  # (B|1, H, kv)
-    terms = terms - (terms.amax(-1, keepdim=True) + terms.amin(-1, keepdim=True)) / 2
-    channel = terms / scaling
+    channel = _centred(rounding.terms(slopes, key_pos.to(exact)).transpose(0, 1)) / scaling  # (B|1, H, kv)
     power = 1.0
     if dtype == torch.float16:  # as _fold_channels: keep |channel| <= 2^14 (fp16 ends at 65504)
         while float(channel.abs().max()) / power > FP16_CHANNEL_LIMIT:
@@ -252,8 +256,7 @@ def folded_causal_attention(
         if rounding is None:
             row = slopes.to(exact)[:, None] * (positions - (kv_len - 1) / 2)  # fp32 (fp64 for fp64)
         else:  # no mask: no padding, every row's keys start at 0
-            row = rounding.terms(slopes, positions)
-            row = row - (row.amax(-1, keepdim=True) + row.amin(-1, keepdim=True)) / 2
+            row = _centred(rounding.terms(slopes, positions))
         row = row.view(1, heads, 1, kv_len)
         if attention_mask is not None:  # not the default choice (an L x L merge), but correct
             if attention_mask.dtype == torch.bool:

@@ -11,6 +11,12 @@ from .packing import same_document
 from .slopes import CAUSAL, LEARNED, alibi_bias
 
 
+def attends(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' 4D mask as a boolean one, True where a query attends: a boolean mask as it is, an additive one
+    where it is above half its dtype's lowest value (masked entries are ``finfo(dtype).min``, kept ones 0)."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def merge_bias_and_mask(bias: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """One additive float mask in ``dtype`` from the fp32 bias and transformers' mask.
 

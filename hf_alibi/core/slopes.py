@@ -154,6 +154,13 @@ class KeyRounding:
         return product.to(exact) * self.factor
 
 
+def check_rounding(kind: str, sinks: int) -> None:
+    """One-line ``ValueError`` where a bias rounded per key (:class:`KeyRounding`) is asked of a form it does not
+    describe: it is causal and has no sinks."""
+    if kind != CAUSAL or sinks:
+        raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
+
+
 def row_positions(
     q_len: int, kv_len: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,14 +216,13 @@ def alibi_bias(
     if kind not in BIAS_KINDS:
         raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
     distance = relative_distance(q_len, kv_len, device=slopes.device, end=end)  # (q, kv), i - j
-    slopes = slopes.float()[:, None, None]  # (H, 1, 1)
     if rounding is not None:
-        if kind != CAUSAL or sinks:
-            raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
+        check_rounding(kind, sinks)
         query_pos, key_pos = row_positions(q_len, kv_len, starts, end, device=slopes.device)
         keys, queries = rounding.terms(slopes, key_pos), rounding.terms(slopes, query_pos)  # (H, B|1, kv), (H, B|1, q)
         bias = (keys[:, :, None, :] - queries[:, :, :, None]).transpose(0, 1)  # (B|1, H, q, kv)
         return bias.masked_fill(distance < 0, masked_value)
+    slopes = slopes.float()[:, None, None]  # (H, 1, 1)
     if kind == LEARNED:
         if slopes_right is None:
             raise ValueError("The learned ALiBi bias needs both left and right slopes.")
