@@ -26,8 +26,19 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
-from .core.conversion import ForwardSetup, before_forward, bound_arguments
-from .core.mask import MaskCache, attends
+from .core.forward import (
+    KEYWORD,
+    ForwardSetup,
+    SharedByLayers,
+    before_forward,
+    bound_arguments,
+    enter,
+    forward_hook,
+    forward_of,
+    forward_pre_hook,
+    leave,
+)
+from .core.mask import attends
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
@@ -150,7 +161,7 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     check_native(model, row)
     base = model.base_model
     attentions = [attention for _, _, attention in find_modules(base, row.attention)]
-    masks = MaskCache()
+    shared = SharedByLayers()
     for attention in attentions:
         scaling = float(getattr(attention, row.scaling))
         slopes = native_slopes(row, model.config, scaling)
@@ -158,7 +169,7 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
         if row.key_rounding is not None:  # the bias per key as the model's code rounds it, before its scaling
             rounding = KeyRounding(row.key_rounding, scaling if row.bias_before_scaling else 1.0)
         heads = model.config.num_attention_heads
-        attention.alibi = AlibiBias(CAUSAL, heads, masks=masks, slopes=slopes, rounding=rounding)
+        attention.alibi = AlibiBias(CAUSAL, heads, shared=shared, slopes=slopes, rounding=rounding)
         if getattr(attention, "config", None) is None:  # where the backend is read (Falcon's modules hold it)
             attention.config = model.config
         attention.__class__ = _attention_class(type(attention), row)
@@ -166,11 +177,13 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
         setattr(base, row.base_bias_switch, False)  # the bias is the attention's now
     model.__class__ = _model_class(type(model), row)
     rows = row.key_rounding is not None  # a bias rounded per key counts positions from each row's start
-    model._alibi_forward = ForwardSetup(masks, reads_positions=False, sinks=0, records_rows=rows)
+    model._alibi_setup = setup = ForwardSetup(shared, reads_positions=False, sinks=0, records_rows=rows)
     if row.boolean_mask:
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
-    if base is not model:  # the masks live for one forward: the base's end releases them too (a direct call)
-        base.register_forward_hook(masks.release)
+    if base is not model:  # a direct call of the base: its forward is entered and left there
+        # before the boolean mask's hook: the rows are read from the 2D padding mask
+        base.register_forward_pre_hook(functools.partial(forward_pre_hook, setup), with_kwargs=True, prepend=True)
+        base.register_forward_hook(functools.partial(forward_hook, setup), with_kwargs=True, always_call=True)
     config = model.config
     if config._attn_implementation in (None, "eager") and not config.output_attentions:
         config._attn_implementation_internal = "sdpa"
@@ -208,7 +221,8 @@ class NativeAlibiAttention(nn.Module):
                 part.reshape(batch, length, heads, head_dim).transpose(1, 2) for part in fused.chunk(3, dim=-1)
             )
         arguments = {}
-        paged = self.alibi.masks.paged()
+        forward = forward_of(self.alibi, values)  # the model's blocks pass no keyword arguments: the running one
+        paged = forward.paged
         if paged is not None:  # a continuous-batching step: the model's forward ran without the paged cache
             key, value, arguments = paged.update(key, value, self.layer_idx)
             mask = None  # the attention builds each request's mask from the arguments (batching.py)
@@ -220,6 +234,7 @@ class NativeAlibiAttention(nn.Module):
         output, weights = attention(
             self, query, key, value, mask,
             scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0, **arguments,
+            **{KEYWORD: forward},
         )  # fmt: skip
         output = getattr(self, row.output)(output.reshape(batch, length, heads * head_dim))
         if row.residual:
@@ -274,16 +289,19 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
     def forward(self, *args, **kwargs):
         # in the class, not a hook: PEFT's AdaLoRA calls model.forward past any hook. Position ids that restart
         # (a packed row) are recorded for this forward, so every path keeps the documents apart
-        setup = self._alibi_forward
-        args, kwargs = before_forward(setup, self, args, kwargs)
-        if setup.masks.paged() is not None:
+        setup = self._alibi_setup
+        args, kwargs, forward = before_forward(setup, self, args, kwargs)
+        if forward is not None and forward.paged is not None:
             kwargs = without_paged_cache(kwargs)
         if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
             args, kwargs = boolean_causal_mask(self, args, kwargs)
+        if forward is None:  # another forward around this one made it
+            return super(cls, self).forward(*args, **kwargs)
+        enter(forward, setup.shared, self)  # the blocks drop keyword arguments: the attention reads it there
         try:
             return super(cls, self).forward(*args, **kwargs)
         finally:
-            setup.masks.release()
+            leave(forward, setup.shared, self)
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:

@@ -27,3 +27,23 @@ def gpt2_src(tmp_path):
     TINY_BY_TYPE["gpt2"].make().save_pretrained(src)
     make_tokenizer(src)
     return src
+
+
+@pytest.fixture
+def attention_forwards(monkeypatch):
+    """``attention_forwards()``: the AlibiForward of each forward run since, in order, as the attention calls of
+    the mask-taking backends (eager, sdpa) read it, whether it came through their keyword arguments or, where a
+    caller dropped those (StableLM, Nemotron), from the running forward."""
+    from hf_alibi.core import dispatch
+    from hf_alibi.core.forward import forward_of
+
+    seen = {}
+
+    def recording(alibi, kwargs):
+        forward = forward_of(alibi, kwargs)
+        if forward is not None:
+            seen.setdefault(id(forward), forward)
+        return forward
+
+    monkeypatch.setattr(dispatch, "forward_of", recording)
+    return lambda: list(seen.values())

@@ -125,9 +125,10 @@ def paged_bias(
     return torch.where(allowed, bias, masked_value).unsqueeze(0)
 
 
-def paged_bias_mask(alibi, module, query: torch.Tensor, kv_len: int, batch: PagedBatch, kwargs: dict) -> torch.Tensor:
+def paged_bias_mask(forward, alibi, module, query: torch.Tensor, kv_len: int, kwargs: dict) -> torch.Tensor:
     """This layer's bias and mask as one additive mask in the query's dtype, ``(1, H, Q, kv_len)``, shared by the
-    layers of one kind (window, slopes) for the forward."""
+    layers of one kind (window, slopes) for the forward (``forward``, whose ``paged`` layout this step is)."""
+    batch = forward.paged
     if alibi.kind != CAUSAL:
         raise ValueError(f"Continuous batching runs decoders (a causal bias); this layer's bias is {alibi.kind!r}.")
     if kwargs.get("block_table") is not None:
@@ -149,7 +150,8 @@ def paged_bias_mask(alibi, module, query: torch.Tensor, kv_len: int, batch: Page
         )  # fmt: skip
         return bias.to(dtype)
 
-    return alibi.masks.paged_mask(key, cu_seq_lens_k, build)
+    # the layers of one kind get the same cu_seq_lens_k tensor from transformers' paged cache
+    return forward.cached(("paged", *key), cu_seq_lens_k, build)
 
 
 def check_continuous_batching(model) -> None:

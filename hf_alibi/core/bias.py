@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from .compat import is_exporting
-from .mask import MaskCache
+from .forward import SharedByLayers
+from .mask import decoding_row
 from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, check_rounding, get_slopes_list, offsets
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
@@ -27,11 +28,11 @@ class AlibiBias(nn.Module):
     ``path`` picks how the sdpa backend applies the bias: ``"auto"`` (default; the environment
     variable ``HF_ALIBI_PATH`` can override it), ``"folded"`` or ``"bias"``.
     ``last_path`` records the path the latest call took ("folded", "bias", "flex" or "flash").
-    ``masks`` is the :class:`MaskCache` the layers of one model share (one per model, made by the
-    conversion; a layer built on its own gets its own).
+    ``shared`` is what the layers of one model share (:class:`forward.SharedByLayers`: the decoding rows; one per
+    model, made by the conversion; a layer built on its own gets its own).
     ``slopes`` (the fixed forms' slopes, one per head; default the paper's) and ``sinks`` (the first
-    ``sinks`` real keys of each row carry no penalty; the row starts come from ``masks.rows()``, set
-    per forward by ``conversion.before_forward``) are the settings of ``AlibiSettings`` of those names.
+    ``sinks`` real keys of each row carry no penalty; the row starts are the forward's, ``forward.AlibiForward``)
+    are the settings of ``AlibiSettings`` of those names.
 
     >>> AlibiBias("causal", 4)
     AlibiBias(kind='causal', num_heads=4, path='auto')
@@ -42,7 +43,7 @@ class AlibiBias(nn.Module):
         kind: str,
         num_heads: int,
         path: str = AUTO,
-        masks: MaskCache | None = None,
+        shared: SharedByLayers | None = None,
         *,
         slopes: list[float] | None = None,
         sinks: int = 0,
@@ -62,7 +63,7 @@ class AlibiBias(nn.Module):
         self.rounding = rounding  # the bias rounded per key (Falcon's code), rendered by every path
         self.path = path
         self.last_path: str | None = None
-        self.masks = MaskCache() if masks is None else masks
+        self.shared = SharedByLayers() if shared is None else shared
         if kind == LEARNED:
             self.slopes_left = nn.Parameter(torch.empty(num_heads))
             self.slopes_right = nn.Parameter(torch.empty(num_heads))
@@ -89,13 +90,22 @@ class AlibiBias(nn.Module):
             self._slopes_by_device[device] = slopes
         return slopes
 
-    def forward(self, q_len: int, kv_len: int, device: torch.device, masked_value: float) -> torch.Tensor:
-        """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)``
-        (``(B, H, q, kv)`` with sinks on left-padded rows)."""
+    def forward(
+        self,
+        q_len: int,
+        kv_len: int,
+        device: torch.device,
+        masked_value: float,
+        *,
+        starts: torch.Tensor | None = None,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)`` (``(B, H, q, kv)``
+        with sinks on left-padded rows). ``starts`` and ``end`` place sinks and a rounded bias: the forward's
+        (:class:`forward.AlibiForward`), where each row's real tokens start and where the sequence ends."""
         plain = not self.sinks and self.rounding is None
         if self.kind == CAUSAL and q_len == 1 and plain and not is_exporting():  # a decoding step
-            return self.masks.decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
-        starts, end = (None, None) if plain else self.masks.rows()
+            return decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         if self.rounding is not None:
             unpadded = starts is None or (starts.dim() == 1 and not bool(starts.any()))
             if q_len == 1 and not is_exporting() and unpadded:
@@ -130,7 +140,7 @@ class AlibiBias(nn.Module):
         if value not in PATHS:
             raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
         self._path = value
-        # what layers that may share a merged mask have in common (mask.MaskCache); the learned form shares none
+        # what layers that may share a merged mask have in common (mask.shared_mask); the learned form shares none
         self.sharing = None if self.kind == LEARNED else (self.kind, self.slope_values, self.rounding, value)
 
     def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:

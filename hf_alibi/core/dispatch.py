@@ -30,7 +30,8 @@ from .dense import eager_attention_forward, sdpa_attention_forward
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
-from .mask import bias_mask, packed_causal_mask
+from .forward import forward_of
+from .mask import bias_mask, packed_causal_mask, shared_mask
 from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, alibi_name, check_backend
 from .slopes import CAUSAL
 
@@ -104,12 +105,15 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
     ):
         # the hot loop of generation runs this once per layer and token: the common case comes first, in few steps
         alibi: AlibiBias | None = module._modules.get("alibi")  # the submodule (no nn.Module.__getattr__ call)
+        forward = forward_of(alibi, kwargs)  # this forward, as the model passed it down (out of kwargs)
         if alibi is None:  # cross-attention: no position bias
             return plain_backend(module, query, key, value, attention_mask, **kwargs)
         # a decoding step's layers after the first: the first one's choice (the bias path) and its mask
-        mask = alibi.masks.reuse(alibi, query, key.shape[2], attention_mask)
+        mask = shared_mask(forward, alibi, query, key.shape[2], attention_mask)
         if mask is None:
-            return _choose_and_run(backend_name, backend, alibi, module, query, key, value, attention_mask, kwargs)
+            return _choose_and_run(
+                backend_name, backend, forward, alibi, module, query, key, value, attention_mask, kwargs
+            )
         if alibi.last_path != BIAS:  # nn.Module's __setattr__ is slow: set only on a change
             alibi.last_path = BIAS
         flush = query.shape[2] >= FLUSH_MIN_QUERIES  # what _flushes says (not traced here: reuse answers nothing then)
@@ -119,21 +123,20 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
 
 
 def _choose_and_run(
-    backend_name: str, backend: Callable, alibi: AlibiBias, module, query, key, value, attention_mask, kwargs: dict
+    backend_name: str, backend: Callable, forward, alibi: AlibiBias, module, query, key, value, attention_mask, kwargs
 ):
     # the first layer of a forward (or every layer where nothing is shared): choose the path and run it
     alibi.check_heads(query)
-    paged = alibi.masks.paged()
-    if paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
+    if forward.paged is not None:  # a continuous-batching step: the bias follows each request (batching.py)
         alibi.last_path = BIAS
-        mask = paged_bias_mask(alibi, module, query, key.shape[2], paged, kwargs)
+        mask = paged_bias_mask(forward, alibi, module, query, key.shape[2], kwargs)
         return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
     path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
     if alibi.last_path != path:  # nn.Module's __setattr__ is slow: set only on a change
         alibi.last_path = path
     if path == FOLDED:
-        attention_mask = packed_causal_mask(alibi.masks, query, key.shape[2], attention_mask)
-        starts, end = alibi.masks.rows() if alibi.sinks or alibi.rounding is not None else (None, None)
+        attention_mask = packed_causal_mask(forward, query, key.shape[2], attention_mask)
+        starts, end = (forward.starts, forward.end) if alibi.sinks or alibi.rounding is not None else (None, None)
         run = partial(
             folded_causal_attention, module, attention_mask=attention_mask,
             slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
@@ -145,7 +148,7 @@ def _choose_and_run(
         # transformers' sdpa gives no mask here only when top-left alignment is right (prefill into an empty
         # static cache) and then cuts the keys to the queries: do the same.
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    mask = bias_mask(alibi, query, key.shape[2], attention_mask)
+    mask = bias_mask(forward, alibi, query, key.shape[2], attention_mask)
     return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
 
 
@@ -180,14 +183,15 @@ def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> C
 
     def attention_forward(module, query, key, value, attention_mask, **kwargs):
         alibi = getattr(module, "alibi", None)
+        forward = forward_of(alibi, kwargs)  # out of kwargs: transformers' kernels never see it
         if alibi is None:  # cross-attention: no position bias
             return ALL_ATTENTION_FUNCTIONS[plain_backend_name](module, query, key, value, attention_mask, **kwargs)
-        if alibi.masks.paged() is not None:  # the manager refuses these backends; switched to one while it ran
+        if forward.paged is not None:  # the manager refuses these backends; switched to one while it ran
             raise ValueError(
                 f"Continuous batching has an ALiBi path for attn_implementation 'sdpa' and 'eager', not "
                 f"{plain_backend_name!r}: call model.set_attn_implementation('sdpa') first."
             )
-        return alibi_backend(module, query, key, value, attention_mask, **kwargs)
+        return alibi_backend(module, query, key, value, attention_mask, forward=forward, **kwargs)
 
     return attention_forward
 

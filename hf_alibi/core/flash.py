@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .compat import flash_padding_helpers
+from .forward import AlibiForward
 from .packing import cumulative_lengths, same_document
 from .slopes import CAUSAL, SYMMETRIC
 
@@ -36,13 +37,15 @@ def flash_alibi_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    forward: AlibiForward | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """ALiBi with flash-attn >= 2.4's ``alibi_slopes`` (bias ``-m |i + Lk - Lq - j|``, fp16/bf16, CUDA).
 
     ``attention_mask`` is transformers' 2D padding mask for flash attention (or ``None``); padded
     batches go through ``flash_attn_varlen_func``, and so do packed rows (one sequence per document:
-    ``cu_seq_lens_q``/``cu_seq_lens_k`` where the caller gives them, else from the recorded documents).
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` where the caller gives them, else from the documents of ``forward``, the
+    forward this call belongs to).
     Only the causal and symmetric forms exist there.
     ``sliding_window`` becomes flash-attn's ``window_size`` and ``softcap`` its ``softcap`` (applied
     before the bias, as on the other paths).
@@ -79,7 +82,7 @@ def flash_alibi_attention(
         options["window_size"] = (sliding_window - 1, sliding_window - 1)  # as transformers' flash path
     if softcap is not None:
         options["softcap"] = softcap
-    documents = alibi.masks.documents()
+    documents = None if forward is None else forward.documents
     cu_given = kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
     if attention_mask is None and (documents is not None or cu_given):  # a packed row: one sequence a document
         if cu_given:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) and TRL give them

@@ -9,21 +9,24 @@ from torch import nn
 
 from .compat import compiled_flex_attention, repeat_kv
 from .denormals import flushed
+from .forward import AlibiForward
 from .packing import same_document
 from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, offsets, row_positions
 
 
-def alibi_score_mod(alibi, q_len: int, kv_len: int, device: torch.device, softcap: float | None = None) -> Callable:
+def alibi_score_mod(
+    alibi, q_len: int, kv_len: int, device: torch.device, softcap: float | None = None, rows: tuple = (None, None)
+) -> Callable:
     """FlexAttention ``score_mod`` adding the layer's bias; queries are the last ``q_len`` positions.
 
     Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
     mask transformers made (a ``BlockMask``) handles padding. ``softcap`` caps the score before the
     bias is added, as the eager path does (see ``dense.eager_attention_forward``). With sinks, the
     first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as
-    recorded for this forward, see ``MaskCache.rows``; positions as ``slopes.relative_distance``).
+    ``rows``: the forward's ``(starts, end)``, ``forward.AlibiForward``; positions as ``slopes.relative_distance``).
     """
     kind, sinks, rounding = alibi.kind, alibi.sinks, alibi.rounding
-    starts, end = alibi.masks.rows() if sinks or rounding is not None else (None, None)
+    starts, end = rows if sinks or rounding is not None else (None, None)
     query_offset, key_offset = offsets(q_len, kv_len, end)
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
     first_row = starts.shape[0] == 1  # one start for every row
@@ -89,9 +92,11 @@ def flex_alibi_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    forward: AlibiForward | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """ALiBi with FlexAttention: transformers' ``BlockMask`` for padding, the bias as a ``score_mod``.
+    """ALiBi with FlexAttention: transformers' ``BlockMask`` for padding, the bias as a ``score_mod``. ``forward``
+    is the forward this call belongs to (its rows and documents; ``None``: none recorded).
 
     On CPU, FlexAttention (torch 2.13) runs forward only: training there raises. Shapes as SDPA.
     """
@@ -109,7 +114,9 @@ def flex_alibi_attention(
         )
     q_len, kv_len = query.shape[2], key.shape[2]
     block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
-    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap)
+    forward = AlibiForward() if forward is None else forward
+    rows = (forward.starts, forward.end)
+    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap, rows=rows)
     if isinstance(attention_mask, torch.Tensor):  # a 4D mask (bool or additive) instead of a BlockMask
         extra = attention_mask[:, :, :, :kv_len]
         extra = torch.where(extra, 0.0, -float("inf")) if extra.dtype == torch.bool else extra.float()
@@ -118,7 +125,7 @@ def flex_alibi_attention(
         def score_mod(score, b, h, q_idx, kv_idx):
             return inner(score, b, h, q_idx, kv_idx) + extra[b, 0, q_idx, kv_idx]
 
-    documents = alibi.masks.documents()
+    documents = forward.documents
     if documents is not None:  # a packed row: each query sees the keys of its own document only
         same_document(documents, q_len, kv_len)  # checks the lengths
         documents, inner_mod = documents.to(query.device), score_mod

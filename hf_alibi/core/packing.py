@@ -10,7 +10,7 @@ What must follow the documents is the mask (a query sees only keys of its own do
 (the first tokens of each document). A converted model keeps the documents of a packed row apart on every
 attention path and for every architecture, whether or not transformers does it for the original (it does
 not for OPT or the encoders, nor for the Llama family with ``use_cache=True``): each token's document is
-recorded once per forward (:class:`mask.MaskCache`), as the index where its document starts.
+recorded once per forward (``forward.AlibiForward.documents``), as the index where its document starts.
 """
 
 from __future__ import annotations

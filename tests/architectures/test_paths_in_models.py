@@ -128,7 +128,7 @@ def layer_kinds(config) -> list[str]:
 
 
 @pytest.mark.parametrize("case", FOLDING, ids=IDS)
-def test_bias_path_builds_one_mask_per_layer_kind_and_forward_and_drops_them(case):
+def test_bias_path_builds_one_mask_per_layer_kind_and_forward_and_drops_them(case, attention_forwards):
     """Layers alternating sliding and full attention (Gemma 3, Cohere 2, ...) too: one mask per kind."""
     overrides = {"num_hidden_layers": 4} if case.model_type != "gpt2" else {"n_layer": 4}
     kinds = getattr(case.make().config, "layer_types", None)
@@ -137,16 +137,16 @@ def test_bias_path_builds_one_mask_per_layer_kind_and_forward_and_drops_them(cas
     model = hf_alibi.patch_model(case.make(attn_implementation="eager", **overrides))
     ids, mask = padded_batch(case, 9)
     layers = [m for m in model.modules() if isinstance(m, hf_alibi.AlibiBias)]
-    masks = layers[0].masks
-    assert len(layers) == 4 and all(layer.masks is masks for layer in layers)  # one cache per model
+    assert len(layers) == 4 and all(layer.shared is layers[0].shared for layer in layers)  # one per model
     per_forward = len(set(layer_kinds(model.config)))
     assert per_forward < len(layers)
-    before = masks.builds
     with torch.no_grad():
         model(ids, attention_mask=mask)
         model(ids)
-    assert masks.builds == before + 2 * per_forward  # per forward and layer kind, not per layer
-    assert masks.merged is None  # released when the forward ended
+    # the AlibiForward of each forward, as its attention calls read it (StableLM's and Nemotron's from the context)
+    forwards = attention_forwards()
+    assert [forward.builds for forward in forwards] == [per_forward] * 2  # per forward and layer kind, not per layer
+    assert layers[0].shared.traced is None and set(vars(layers[0].shared)) == {"decoding_rows", "traced"}
 
 
 def test_flex_backend_forward_matches_the_sdpa_path_on_cpu_even_where_transformers_lists_no_flex():

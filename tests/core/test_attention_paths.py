@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import hf_alibi
 from hf_alibi.core.bias import BIAS, FOLDED, AlibiBias
 from hf_alibi.core.dispatch import FOLD_MIN_QUERIES, PATH_ENV
-from hf_alibi.core.mask import MaskCache
+from hf_alibi.core.forward import AlibiForward
 
 H, D = 4, 16
 LENGTHS = [1, 7, 64, 1000]
@@ -29,9 +29,9 @@ NEG = -math.inf
 class Layer(nn.Module):
     """What transformers' attention functions read from a layer: ``alibi``, ``is_causal``, ``training``."""
 
-    def __init__(self, kind: str, path: str = "auto", masks: MaskCache | None = None):
+    def __init__(self, kind: str, path: str = "auto"):
         super().__init__()
-        self.alibi = AlibiBias(kind, H, path=path, masks=masks)
+        self.alibi = AlibiBias(kind, H, path=path)
         self.is_causal = kind == "causal"
         self.eval()
 
@@ -92,9 +92,12 @@ def real_rows(q_len, kv_len, key_real):
     return key_real[:, kv_len - q_len :]
 
 
-def run(backend, layer, q, k, v, mask, scaling):
+def run(backend, layer, q, k, v, mask, scaling, forward=None):
+    """One attention call; ``forward``: the AlibiForward a model's forward would pass its layers (None: none)."""
     fn = ALL_ATTENTION_FUNCTIONS[f"alibi_{backend}"]
-    out, _ = fn(layer, q, k, v, mask, scaling=scaling, dropout=0.0)
+    out, _ = fn(
+        layer, q, k, v, mask, scaling=scaling, dropout=0.0, **({} if forward is None else {"alibi_forward": forward})
+    )
     return out
 
 
@@ -210,7 +213,7 @@ def test_half_precision_at_16k_tokens_does_not_overflow(kind, dtype):
 
 
 def test_decoding_steps_past_the_kept_row_match_reference():
-    # a decoding step's bias is a view of one row per slopes and device (MaskCache.decoding_row), 1024 keys at
+    # a decoding step's bias is a view of one row per slopes and device (mask.decoding_row), 1024 keys at
     # first and grown as needed: steps past it, back below it, under inference mode and then with gradients
     layer = Layer("causal")
     scaling = D**-0.5
@@ -219,7 +222,6 @@ def test_decoding_steps_past_the_kept_row_match_reference():
         q, k, v, key_real = make_inputs(1, kv_len, dtype, pad=False, seed=kv_len)
         with torch.inference_mode(inference):
             out = run("sdpa", layer, q, k, v, None, scaling)
-        layer.alibi.masks.release()  # a model's forward hook does this after each forward
         assert layer.alibi.last_path == BIAS
         bias = reference_bias("causal", 1, kv_len, None)
         ref = reference_output(q.detach(), k.detach(), v.detach(), bias, scaling, key_real)
@@ -318,44 +320,44 @@ def test_bad_environment_value_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["symmetric", "nonsymmetric"])
 def test_bidirectional_bias_is_built_once_and_broadcast(kind):
-    shared = MaskCache()
-    layers = [Layer(kind, masks=shared) for _ in range(3)]
+    forward = AlibiForward()  # what one forward of a model hands its layers
+    layers = [Layer(kind) for _ in range(3)]
     q, k, v, key_real = make_inputs(9, 9, torch.float32, pad=False)
-    before = shared.builds
-    outs = [run("sdpa", layer, q, k, v, None, 0.25) for layer in layers]
-    assert shared.builds == before + 1
-    assert shared.merged.shape == (1, H, 9, 9)  # broadcast over the batch
+    outs = [run("sdpa", layer, q, k, v, None, 0.25, forward) for layer in layers]
+    assert forward.builds == 1
+    (merged,) = (entry[1] for entry in forward.masks.values())
+    assert merged.shape == (1, H, 9, 9)  # broadcast over the batch
     assert all(torch.equal(out, outs[0]) for out in outs)
     pad_mask = transformers_mask(kind, 9, 9, key_real, "sdpa", True, torch.float32)
     for layer in layers:  # a new mask object (a new forward): built once more, then shared again
-        run("sdpa", layer, q, k, v, pad_mask, 0.25)
-    assert shared.builds == before + 2
-    run("sdpa", layers[0], q[:, :, :5], k[:, :, :5], v[:, :, :5], None, 0.25)  # another length
-    assert shared.builds == before + 3
-    shared.release()
-    assert shared.merged is None
+        run("sdpa", layer, q, k, v, pad_mask, 0.25, forward)
+    assert forward.builds == 2
+    run("sdpa", layers[0], q[:, :, :5], k[:, :, :5], v[:, :, :5], None, 0.25, forward)  # another length
+    assert forward.builds == 3
+    run("sdpa", layers[0], q, k, v, None, 0.25)  # no forward passed: nothing shared, nothing kept
+    assert forward.builds == 3
 
 
 def test_a_layer_set_apart_chooses_on_its_own():
     # layers after the first of a forward reuse its bias-path mask without choosing again, but only layers with
     # the same path setting: one forced to the fold still folds, and each matches the reference
-    shared = MaskCache()
-    layers = [Layer("causal", path=p, masks=shared) for p in (BIAS, FOLDED, "auto", BIAS)]
+    forward = AlibiForward()
+    layers = [Layer("causal", path=p) for p in (BIAS, FOLDED, "auto", BIAS)]
     q, k, v, key_real = make_inputs(1, 50, torch.float32, pad=False)
     ref = reference_output(q.detach(), k.detach(), v.detach(), reference_bias("causal", 1, 50, None), 0.25, key_real)
     for layer in layers:
-        out = run("sdpa", layer, q.detach(), k.detach(), v.detach(), None, 0.25)
+        out = run("sdpa", layer, q.detach(), k.detach(), v.detach(), None, 0.25, forward)
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4)
     assert [layer.alibi.last_path for layer in layers] == [BIAS, FOLDED, BIAS, BIAS]
-    assert shared.builds == 2  # the "bias" layers share one mask, the "auto" layer builds its own
+    assert forward.builds == 2  # the "bias" layers share one mask, the "auto" layer builds its own
 
 
 def test_learned_slopes_are_never_shared():
-    shared = MaskCache()
-    layers = [Layer("learned", masks=shared) for _ in range(2)]
+    forward = AlibiForward()
+    layers = [Layer("learned") for _ in range(2)]
     q, k, v, _ = make_inputs(6, 6, torch.float32, pad=False)
-    a, b = (run("sdpa", layer, q, k, v, None, 0.25) for layer in layers)
-    assert shared.builds == 0 and not torch.equal(a, b)
+    a, b = (run("sdpa", layer, q, k, v, None, 0.25, forward) for layer in layers)
+    assert forward.builds == 0 and not torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,8 +68,7 @@ def test_fullgraph_compile_equals_eager_and_does_not_recompile(name, backend):
     plain = {"input_ids": random_ids(1, LENGTH, seed=3), "use_cache": False}
     with torch.no_grad():
         reference = case.reference(model, {"input_ids": plain["input_ids"]}, None)
-    masks = alibi_layers(model)[0].masks
-    builds = masks.builds
+    shared = alibi_layers(model)[0].shared
 
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(logits(compiled, inputs), expected, rtol=0, atol=1e-5)
@@ -79,7 +78,14 @@ def test_fullgraph_compile_equals_eager_and_does_not_recompile(name, backend):
         torch.testing.assert_close(logits(compiled, other), expected_other, rtol=0, atol=1e-5)
     torch.testing.assert_close(logits(compiled, plain), reference.float(), rtol=0, atol=1e-5)
     assert {layer.last_path for layer in alibi_layers(model)} == {"folded" if backend == "sdpa" else "bias"}
-    # the traced graph never touched the per-thread cache; eager forwards still share one mask
-    assert masks.builds == builds and masks.merged is None
+    # the traced forward cleared what it set for layers that drop keyword arguments; eager forwards still share
+    # one mask (the bias path's; the fold makes none)
+    assert shared.traced is None
+    last = next(m for m in model.modules() if getattr(m, "alibi", None) is alibi_layers(model)[-1])
+    seen = []
+    handle = last.register_forward_pre_hook(
+        lambda m, a, kwargs: seen.append(kwargs["alibi_forward"]), with_kwargs=True
+    )
     logits(model, inputs)
-    assert masks.builds == builds + (1 if backend == "eager" else 0)
+    handle.remove()
+    assert seen[0].builds == (1 if backend == "eager" else 0)

@@ -18,6 +18,7 @@ import hf_alibi
 from hf_alibi.core import flash
 from hf_alibi.core.bias import AlibiBias
 from hf_alibi.core.compat import store_attn_implementation
+from hf_alibi.core.forward import AlibiForward
 from hf_alibi.core.packing import document_starts
 
 H, D = 4, 16
@@ -101,12 +102,12 @@ def test_packed_row_goes_through_varlen_one_document_each(given):
     layer = Layer()
     kwargs = {}
     if given == "position_ids":
-        layer.alibi.masks.set_documents(document_starts(torch.cat([torch.arange(n) for n in lengths])[None]))
+        starts = document_starts(torch.cat([torch.arange(n) for n in lengths])[None])
+        kwargs = {"alibi_forward": AlibiForward(documents=starts)}  # what the model's forward passes its layers
     else:  # what DataCollatorWithFlattening(return_flash_attn_kwargs=True) hands the model
         cu = torch.tensor([0, 12, 32, 41], dtype=torch.int32)
         kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=20, max_length_k=20)
     out = run(layer, q, k, v, **kwargs)
-    layer.alibi.masks.release()
     assert flash_standin.CALLS == ["flash_attn_varlen_func"]
     start = 0
     for n in lengths:

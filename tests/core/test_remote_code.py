@@ -20,9 +20,9 @@ from hf_alibi.registry import alibi_classes
 
 CORE = Path(hf_alibi.__file__).parent / "core"
 # What a checkpoint's code may import besides its sibling files: torch, transformers, the standard library.
-ALLOWED_IMPORTS = {"__future__", "collections", "contextlib", "copy", "ctypes", "dataclasses", "functools", "inspect",
-                   "math", "os", "platform", "struct", "threading", "torch", "transformers", "typing",
-                   "warnings"}  # fmt: skip
+ALLOWED_IMPORTS = {"__future__", "collections", "contextlib", "contextvars", "copy", "ctypes", "dataclasses",
+                   "functools", "inspect", "math", "os", "platform", "struct", "threading", "torch", "transformers",
+                   "typing", "warnings"}  # fmt: skip
 
 
 def test_remote_code_is_the_library_core_byte_for_byte(tmp_path):
