@@ -26,18 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
-from .core.forward import (
-    KEYWORD,
-    ForwardSetup,
-    SharedByLayers,
-    before_forward,
-    bound_arguments,
-    enter,
-    forward_hook,
-    forward_of,
-    forward_pre_hook,
-    leave,
-)
+from .core.forward import KEYWORD, ForwardSetup, SharedByLayers, bound_arguments, call_forward, forward_of, hook_base
 from .core.mask import attends
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
@@ -180,10 +169,8 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     model._alibi_setup = setup = ForwardSetup(shared, reads_positions=False, sinks=0, records_rows=rows)
     if row.boolean_mask:
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
-    if base is not model:  # a direct call of the base: its forward is entered and left there
-        # before the boolean mask's hook: the rows are read from the 2D padding mask
-        base.register_forward_pre_hook(functools.partial(forward_pre_hook, setup), with_kwargs=True, prepend=True)
-        base.register_forward_hook(functools.partial(forward_hook, setup), with_kwargs=True, always_call=True)
+    if base is not model:  # a direct call of the base; first: the rows are read from the 2D padding mask
+        hook_base(base, setup, first=True)
     config = model.config
     if config._attn_implementation in (None, "eager") and not config.output_attentions:
         config._attn_implementation_internal = "sdpa"
@@ -289,19 +276,15 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
     def forward(self, *args, **kwargs):
         # in the class, not a hook: PEFT's AdaLoRA calls model.forward past any hook. Position ids that restart
         # (a packed row) are recorded for this forward, so every path keeps the documents apart
-        setup = self._alibi_setup
-        args, kwargs, forward = before_forward(setup, self, args, kwargs)
-        if forward is not None and forward.paged is not None:
-            kwargs = without_paged_cache(kwargs)
-        if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
-            args, kwargs = boolean_causal_mask(self, args, kwargs)
-        if forward is None:  # another forward around this one made it
-            return super(cls, self).forward(*args, **kwargs)
-        enter(forward, setup.shared, self)  # the blocks drop keyword arguments: the attention reads it there
-        try:
-            return super(cls, self).forward(*args, **kwargs)
-        finally:
-            leave(forward, setup.shared, self)
+        def prepare(forward, args, kwargs):
+            if forward is not None and forward.paged is not None:
+                kwargs = without_paged_cache(kwargs)
+            if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
+                args, kwargs = boolean_causal_mask(self, args, kwargs)
+            return args, kwargs
+
+        # the blocks drop keyword arguments: the attention reads the running forward (core/forward.py)
+        return call_forward(self._alibi_setup, self, super(cls, self).forward, args, kwargs, prepare)
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:

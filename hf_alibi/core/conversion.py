@@ -15,16 +15,7 @@ from .batching import make_manager
 from .bias import AlibiBias
 from .compat import register_recorded_outputs, zeros_unless_loaded
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
-from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickles and imports named here)
-    ForwardSetup,
-    SharedByLayers,
-    before_forward,
-    bound_arguments,
-    enter,
-    forward_hook,
-    forward_pre_hook,
-    leave,
-)
+from .forward import ForwardSetup, SharedByLayers, bound_arguments, call_forward, hook_base  # noqa: F401
 from .names import check_backend
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
@@ -70,8 +61,7 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     setup = ForwardSetup(shared, any(isinstance(m, POSITION_READERS) for m in base.modules()), settings.sinks)
     model._alibi_setup = setup
     if base is not model:
-        base.register_forward_pre_hook(partial(forward_pre_hook, setup), with_kwargs=True)
-        base.register_forward_hook(partial(forward_hook, setup), with_kwargs=True, always_call=True)
+        hook_base(base, setup)
 
 
 def _init_retained_tables(model: PreTrainedModel) -> None:
@@ -205,15 +195,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
     def forward(self, *args, **kwargs):
         # the conversion's bookkeeping around every forward (``apply``), in the class rather than a hook: PEFT's
         # AdaLoRA calls ``model.forward`` directly, past any hook
-        setup = self._alibi_setup
-        args, kwargs, forward = before_forward(setup, self, args, kwargs)
-        if forward is None:  # another converted forward around this one made it
-            return super(cls, self).forward(*args, **kwargs)
-        enter(forward, setup.shared, self)  # for layers whose caller drops keyword arguments (forward.py)
-        try:
-            return super(cls, self).forward(*args, **kwargs)
-        finally:
-            leave(forward, setup.shared, self)  # also when the forward raised
+        return call_forward(self._alibi_setup, self, super(cls, self).forward, args, kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         # generate_batch, continuous_batching_context_manager and `transformers serve --continuous-batching` start

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -152,6 +153,30 @@ def before_forward(
     forward = AlibiForward(documents, starts, end, paged)
     kwargs[KEYWORD] = forward
     return args, kwargs, forward
+
+
+def call_forward(setup: ForwardSetup, module: nn.Module, call, args: tuple, kwargs: dict, prepare=None):
+    """``call(*args, **kwargs)``, the original class's forward of a converted (or native) model, with this forward's
+    :class:`AlibiForward` made (:func:`before_forward`), passed down and running around it, also when it raises.
+    ``prepare(forward, args, kwargs) -> (args, kwargs)``: a last change of the arguments (``native.py``'s)."""
+    args, kwargs, forward = before_forward(setup, module, args, kwargs)
+    if prepare is not None:
+        args, kwargs = prepare(forward, args, kwargs)
+    if forward is None:  # another forward around this one made it
+        return call(*args, **kwargs)
+    enter(forward, setup.shared, module)  # for layers whose caller drops keyword arguments
+    try:
+        return call(*args, **kwargs)
+    finally:
+        leave(forward, setup.shared, module)
+
+
+def hook_base(base: nn.Module, setup: ForwardSetup, first: bool = False) -> None:
+    """A base model that is not the model itself (a task head's) makes its forward's :class:`AlibiForward` in hooks
+    when called directly (a task head may call its inner stack past the base: the class's forward covers that).
+    ``first``: before the hooks already there."""
+    base.register_forward_pre_hook(partial(forward_pre_hook, setup), with_kwargs=True, prepend=first)
+    base.register_forward_hook(partial(forward_hook, setup), with_kwargs=True, always_call=True)
 
 
 def forward_pre_hook(setup: ForwardSetup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
