@@ -24,8 +24,9 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal
+
+from .core.names import is_alibi
 
 # This module is imported by the command line's parser (cli.py), which answers --help and argument errors before
 # torch and transformers are imported: what needs them (the registry, the config classes) is imported where used.
@@ -191,20 +192,6 @@ def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
             f"{label} {src!r}: config.json has no model_type; hf_alibi cannot tell its architecture."
         )
     return config_dict
-
-
-def is_alibi(config: Mapping[str, Any] | Any) -> bool:
-    """Whether a config (a ``PretrainedConfig`` or config.json as a dict) is an ALiBi one: an ``alibi``
-    field and a model_type ``alibi_<type>`` (:func:`hf_alibi.is_alibi_config`, the one rule).
-
-    >>> is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 12}}), is_alibi({"model_type": "gpt2"})
-    (True, False)
-    """
-    from .core.config import is_alibi_config
-
-    if isinstance(config, Mapping):
-        return is_alibi_config(SimpleNamespace(alibi=config.get("alibi"), model_type=config.get("model_type", "")))
-    return is_alibi_config(config)
 
 
 def has_tokenizer(src: str | os.PathLike) -> bool | None:

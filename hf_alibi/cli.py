@@ -4,7 +4,7 @@
                              [--preset pretrained] [--sinks N] [--rotary-max-wavelength X]
                              [--slope-scale S] [--slopes a,b,...] [--position-mean N]
                              [--table-max-wavelength X]
-                             [--fit-slopes TEXT_FILE [--fit-scale C] [--fit-tokens T]]
+                             [--fit-slopes --fit-text TEXT_FILE [--fit-scale C] [--fit-tokens T]]
                              [--push-to-hub REPO_ID [--private] [--commit-message MSG]]
     hf-alibi recover SRC OUT --train_file F [--max_steps N] [--length L] [the options above] [...]
     hf-alibi export-gguf SRC OUT [--outtype f32|f16|bf16|q8_0] [--overwrite]
@@ -150,10 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", choices=sorted(PRESETS), default=None, help="pretrained: keep more of what a pretrained model knew"
     )
     add_option_flags(conv)
+    # --fit-slopes is a switch, as in `recover` (which fits on its training text); convert reads --fit-text. The
+    # old form, --fit-slopes TEXT_FILE, still parses (with a note) for one release
     conv.add_argument(
-        "--fit-slopes", metavar="TEXT_FILE", dest="fit_file", default=None,
-        help="fit the slopes per layer and head on this text (hf_alibi.fit_slopes; instead of --slopes)",
+        "--fit-slopes", nargs="?", const=True, default=None, metavar="TEXT_FILE",
+        help="fit the slopes per layer and head on --fit-text (hf_alibi.fit_slopes; instead of --slopes)",
     )  # fmt: skip
+    conv.add_argument("--fit-text", metavar="TEXT_FILE", default=None, help="--fit-slopes: the text to fit on")
     conv.add_argument(
         "--fit-scale",
         type=float,
@@ -237,7 +240,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         check_output(args.src, args.out, args.overwrite)
     if args.command == "convert":
         _check_push_arguments(args)
-        _check_file(args.fit_file, "--fit-slopes")
+        _check_file(fit_file(args), "--fit-text")
     if args.command == "recover":
         _check_file(args.train_file, "--train-file")
         _check_file(args.validation_file, "--validation-file")
@@ -248,6 +251,23 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.command == "export-gguf":
         check_source(args.src)
         check_output_file(args.out, args.overwrite)
+
+
+def fit_file(args: argparse.Namespace) -> str | None:
+    """The text ``convert --fit-slopes`` fits on (``--fit-text``; the old ``--fit-slopes TEXT_FILE`` too, with a note
+    on stderr), else ``None``; a ``CliError`` for ``--fit-slopes`` without a text."""
+    if isinstance(args.fit_slopes, str):
+        if args.fit_text is not None:
+            raise CliError("--fit-slopes TEXT_FILE and --fit-text both name a text: keep --fit-text.")
+        print(
+            "hf-alibi: note: --fit-slopes TEXT_FILE is now --fit-slopes --fit-text TEXT_FILE (as in `recover`, "
+            "--fit-slopes is a switch); the old form goes in the next release.",
+            file=sys.stderr,
+        )
+        args.fit_slopes, args.fit_text = True, args.fit_slopes  # read as the new form from here on: one note
+    if args.fit_slopes and args.fit_text is None:
+        raise CliError("--fit-slopes fits on a text, and convert has no training text: add --fit-text TEXT_FILE.")
+    return args.fit_text
 
 
 def _check_file(path: str | None, flag: str) -> None:
@@ -269,7 +289,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.command == "convert":
             options = {name: getattr(args, name) for name in ("preset", *OPTIONS)}
             out = convert_checkpoint(
-                args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=args.fit_file,
+                args.src, args.out, args.heads, args.encoder_variant, args.overwrite, fit_file=fit_file(args),
                 fit_scale=args.fit_scale, fit_tokens=args.fit_tokens, **options,
             )  # fmt: skip
             print(f"Wrote the ALiBi checkpoint to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")

@@ -17,8 +17,8 @@ from transformers import PreTrainedModel
 
 from .core.architectures import find_architecture
 from .core.compat import attn_implementation
-from .core.config import is_alibi_config
 from .core.conversion import self_attentions
+from .core.names import is_alibi
 from .core.settings import FittedSlopes
 
 DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)
@@ -61,7 +61,7 @@ def fit_slopes(
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"fit_slopes expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    if is_alibi_config(model.config):
+    if is_alibi(model):
         raise ValueError("fit_slopes measures the ORIGINAL model's attention: pass the model before patch_model.")
     config = model.config
     row = find_architecture(config.model_type)

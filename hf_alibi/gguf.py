@@ -130,11 +130,11 @@ def _load(src, tokenizer):
 
 def check_exportable(model) -> str:
     """The llama.cpp architecture ``model`` runs as exactly (``"refact"`` or ``"mpt"``), else a one-line error."""
-    from .core.config import get_settings, is_alibi_config
+    from .core.config import get_settings
 
     config = model.config
     _refuse_native(config.model_type, config)
-    if not is_alibi_config(config):
+    if not is_alibi(config):
         raise GGUFExportError("This model is not converted to ALiBi: hf_alibi.patch_model it first.")
     settings = get_settings(config)
     base = settings.base_model_type

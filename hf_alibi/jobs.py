@@ -320,7 +320,9 @@ def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None
     """The text of ``--fit-slopes`` (None without it), every flag checked before anything loads."""
     if fit_file is None:
         if fit_scale is not None:
-            raise CheckpointError("--fit-scale applies to --fit-slopes only: pass --fit-slopes TEXT_FILE too.")
+            raise CheckpointError(
+                "--fit-scale applies to --fit-slopes only: pass --fit-slopes --fit-text TEXT_FILE too."
+            )
         return None
     if options.get("slopes") is not None or options.get("slope_scale") is not None:
         raise CheckpointError("--fit-slopes computes the slopes: drop --slopes and --slope-scale.")
@@ -334,7 +336,7 @@ def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"--fit-slopes {str(path)!r} could not be read as UTF-8 text ({error}).") from error
+        raise CheckpointError(f"--fit-text {str(path)!r} could not be read as UTF-8 text ({error}).") from error
     if not text.strip():
-        raise CheckpointError(f"--fit-slopes {str(path)!r} holds no text. Pass text like the model's inputs.")
+        raise CheckpointError(f"--fit-text {str(path)!r} holds no text. Pass text like the model's inputs.")
     return text

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .core.config import get_settings, is_alibi_config
+from .core.config import get_settings
 from .core.conversion import check_fits, check_sinks_fit, convert
+from .core.names import is_alibi
 from .core.settings import FITTED, AlibiSettings, FittedSlopes, TimesOriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import find_modules, fold_position_mean, table_rows
@@ -169,11 +170,6 @@ def _settings(config, row, heads, encoder_variant, preset, options: dict, model=
     return settings
 
 
-def is_alibi_model(model: PreTrainedModel) -> bool:
-    """True when ``model`` was converted by hf_alibi (or loaded from such a checkpoint)."""
-    return is_alibi_config(model.config)
-
-
 @takes_options
 def patch_model(
     model: PreTrainedModel,
@@ -233,7 +229,7 @@ def patch_model(
     if native is not None:  # trained with ALiBi: nothing converted, its attention moved (hf_alibi.native)
         _check_native_arguments(native, config, heads, encoder_variant, preset, options)
         return patch_native(model, native)
-    if is_alibi_config(config):
+    if is_alibi(config):
         raise ValueError(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
             "model once. Load the original checkpoint again to convert it with other settings."

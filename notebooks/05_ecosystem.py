@@ -218,10 +218,10 @@ with torch.no_grad():
 merged = peft_model.merge_and_unload()
 with torch.no_grad():
     merged_logits = merged(ids).logits
-print(type(merged).__name__, "| ALiBi:", hf_alibi.is_alibi_model(merged))
+print(type(merged).__name__, "| ALiBi:", hf_alibi.is_alibi(merged))
 print("max |merged - adapter| =", (merged_logits - adapted).abs().max().item())
 print("max |merged - before LoRA| =", (merged_logits - logits).abs().max().item())
-assert hf_alibi.is_alibi_model(merged) and not torch.equal(merged_logits, logits)
+assert hf_alibi.is_alibi(merged) and not torch.equal(merged_logits, logits)
 torch.testing.assert_close(merged_logits, adapted, rtol=0, atol=1e-4)
 merged.save_pretrained(work / "merged")
 with torch.no_grad():

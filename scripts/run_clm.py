@@ -55,7 +55,6 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import hf_alibi
-from hf_alibi.checkpoints import is_alibi
 from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.distributed import (
     close_process_group,
@@ -177,7 +176,7 @@ def checkpoint_alibi_settings(checkpoint: str | os.PathLike) -> dict | None:
         return None
     with open(config_path) as f:
         config = json.load(f)
-    if is_alibi(config):
+    if hf_alibi.is_alibi(config):
         return config["alibi"]
     return None
 
@@ -322,7 +321,7 @@ def main():
         model.resize_token_embeddings(len(tokenizer))
     teacher = None
     if model_args.distill_from_original:
-        if hf_alibi.is_alibi_model(model):
+        if hf_alibi.is_alibi(model):
             raise ValueError(
                 "--distill_from_original needs the original checkpoint (the teacher), but "
                 f"{model_args.model_name_or_path} is already ALiBi. Pass the checkpoint it was converted from."
@@ -333,13 +332,13 @@ def main():
             )
         teacher = copy.deepcopy(model)
     if model_args.alibi:
-        if hf_alibi.is_alibi_model(model):
+        if hf_alibi.is_alibi(model):
             logger.info("The checkpoint is already an ALiBi model; training it as it is.")
         else:
             hf_alibi.patch_model(model, heads=model_args.alibi_heads)
             logger.info(f"Converted to ALiBi: {model.config.alibi}")
     position_limit = original_length(model.config)
-    alibi_model = hf_alibi.is_alibi_model(model)
+    alibi_model = hf_alibi.is_alibi(model)
     if model_args.export_gguf:
         check_exportable(model)  # before training: a conversion llama.cpp cannot run is refused now
 

@@ -67,7 +67,8 @@ def test_help_and_version_load_neither_torch_nor_transformers():
         assert result["heavy"] == [], (argv, result["heavy"])
     assert results[0]["out"].startswith("usage: hf-alibi")
     assert results[1]["out"].strip() == f"hf-alibi {_version()}"
-    for flag in ("--slope-scale", "--sinks", "--rotary-max-wavelength", "--position-mean", "--fit-slopes"):
+    flags = ("--slope-scale", "--sinks", "--rotary-max-wavelength", "--position-mean", "--fit-slopes", "--fit-text")
+    for flag in flags:
         assert flag in results[2]["out"]  # the conversion options' flags, from their declaration
     assert "--train-file" in results[3]["out"] and "q8_0" in results[4]["out"]
 
@@ -78,7 +79,7 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
         (["convert", "bad name/v1", str(tmp_path / "a")], "neither a folder nor a valid Hub id"),
         (["convert", folders["src"], folders["full"]], "exists and is not empty. Pass --overwrite"),
         (["convert", folders["src"], folders["src"] + "/out"], "overlaps SRC"),
-        (["convert", folders["src"], str(tmp_path / "a"), "--fit-slopes", "nofile.txt"], "--fit-slopes 'nofile.txt'"),
+        (["convert", folders["src"], str(tmp_path / "a"), "--fit-slopes", "--fit-text", "x"], "--fit-text 'x'"),
         (["convert", folders["src"], str(tmp_path / "a"), "--private"], "apply to the upload only"),
         (["convert", folders["src"], str(tmp_path / "a"), "--sinks", "x"], "argument --sinks: invalid int value"),
         (["convert", folders["src"]], "the following arguments are required: OUT"),

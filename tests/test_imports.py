@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import hf_alibi
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_alibi"
 
 
@@ -142,3 +144,18 @@ def test_the_renamed_core_modeling_module_warns_and_still_resolves():
     with pytest.warns(FutureWarning, match="hf_alibi.core.conversion"):
         old = importlib.import_module("hf_alibi.core.modeling")
     assert old.ForwardSetup is conversion.ForwardSetup and old.convert is conversion.convert
+
+
+@pytest.mark.parametrize("old", ["is_alibi_config", "is_alibi_model"])
+def test_the_three_alibi_predicates_are_one_and_the_old_names_warn(old):
+    """hf_alibi.is_alibi answers for a model, a config and config.json as a dict (one rule, core/names.py); the old
+    names warn and give it (CONTRIBUTING's deprecated names)."""
+    from tiny import tiny_gpt2
+
+    model = hf_alibi.patch_model(tiny_gpt2())
+    saved = model.config.to_dict()
+    assert hf_alibi.is_alibi(model) and hf_alibi.is_alibi(model.config) and hf_alibi.is_alibi(saved)
+    plain = tiny_gpt2()
+    assert not any(map(hf_alibi.is_alibi, (plain, plain.config, plain.config.to_dict(), {"model_type": "alibi_x"})))
+    with pytest.warns(FutureWarning, match="hf_alibi.is_alibi"):
+        assert getattr(hf_alibi, old) is hf_alibi.is_alibi

@@ -23,7 +23,16 @@ from .compat import (
     stored_attn_implementation,
     stored_output_attentions,
 )
-from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, alibi_name, base_name, check_backend
+from .names import (
+    FOREIGN,
+    MODEL_TYPE_PREFIX,
+    REFUSED_BACKENDS,
+    RUNNING_BACKENDS,
+    alibi_name,
+    base_name,
+    check_backend,
+    is_alibi,
+)
 from .settings import AlibiSettings
 
 
@@ -37,7 +46,6 @@ def _reported_name(stored: str | dict | None) -> str | dict | None:
 # stored name -> reported name (a pure function of the name, kept: a dict read instead of four calls)
 _REPORTED: dict[str, str] = {}
 
-MODEL_TYPE_PREFIX = "alibi_"
 # Written in config.json in place of the sizes of the removed position path (GPT-2's n_positions,
 # T5's relative_attention_num_buckets, ...), followed by how to load the checkpoint. The original
 # config classes require an int there, so plain transformers refuses the checkpoint with this text
@@ -87,12 +95,8 @@ def alibi_model_type(base_model_type: str) -> str:
     return MODEL_TYPE_PREFIX + base_model_type
 
 
-def is_alibi_config(config: PretrainedConfig) -> bool:
-    return getattr(config, "alibi", None) is not None and str(config.model_type).startswith(MODEL_TYPE_PREFIX)
-
-
 def get_settings(config: PretrainedConfig) -> AlibiSettings:
-    if not is_alibi_config(config):
+    if not is_alibi(config):
         raise ValueError(f"{type(config).__name__} (model_type={config.model_type!r}) is not an ALiBi config.")
     return AlibiSettings.from_dict(config.alibi)
 

@@ -1,9 +1,12 @@
-"""The names a user and the config code pass around, with no import: the bias forms, and the attention
-implementation names hf_alibi registers (``alibi_<backend>``, or ``alibi_remote_<backend>`` for a checkpoint's copy
-of this code). Kept apart from the kernels so that the config code, the settings and the command line's parser can
-name them without importing torch."""
+"""The names a user and the config code pass around, with no import: the bias forms, a converted model's type
+(``alibi_<type>``, :func:`is_alibi`), and the attention implementation names hf_alibi registers
+(``alibi_<backend>``, or ``alibi_remote_<backend>`` for a checkpoint's copy of this code). Kept apart from the
+kernels so that the config code, the settings and the command line's parser can name them without importing
+torch."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 # the bias forms (slopes.py builds each): causal self-attention, and the bidirectional (encoder) variants
 CAUSAL = "causal"
@@ -14,6 +17,7 @@ ENCODER_VARIANTS = (SYMMETRIC, NONSYMMETRIC, LEARNED)
 BIAS_KINDS = (CAUSAL, *ENCODER_VARIANTS)
 
 LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
+MODEL_TYPE_PREFIX = "alibi_"  # a converted model's type: alibi_<type>
 # transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known
 # by name but refused when called; any other name is refused when set (:func:`check_backend`)
 RUNNING_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
@@ -65,3 +69,21 @@ def check_backend(name: str | None) -> None:
         f"This ALiBi model cannot run with attn_implementation={base_name(name)!r}: hf_alibi has no ALiBi path for "
         f"it, and without one it would run without its position bias. Instead, {WHAT_RUNS}."
     )
+
+
+def is_alibi(model_or_config) -> bool:
+    """Whether a model was converted by hf_alibi (or loaded from such a checkpoint), or a config is such a model's:
+    a model, a ``PretrainedConfig`` or config.json as a dict, with an ``alibi`` field and a model_type
+    ``alibi_<type>``. The one rule. A model trained with ALiBi (BLOOM, MPT, Falcon-RW) keeps its own format: False.
+
+    >>> is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 12}}), is_alibi({"model_type": "gpt2"})
+    (True, False)
+    """
+    config = model_or_config
+    if not isinstance(config, Mapping):
+        config = getattr(config, "config", config)  # a model's
+    if isinstance(config, Mapping):
+        alibi, model_type = config.get("alibi"), config.get("model_type", "")
+    else:
+        alibi, model_type = getattr(config, "alibi", None), getattr(config, "model_type", "")
+    return alibi is not None and str(model_type).startswith(MODEL_TYPE_PREFIX)

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..core.config import is_alibi_config
+from ..core.names import is_alibi
 
 
 def finish_folder(
@@ -47,7 +47,7 @@ class AlibiPreTrainedMixin:
         # such a checkpoint would reload with a freshly initialised lm_head.
         kwargs.setdefault("save_original_format", False)
         result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process and is_alibi_config(self.config):
+        if is_main_process and is_alibi(self.config):
             finish_folder(save_directory, self.config)
             if push_to_hub:
                 from .upload import push_folder

@@ -15,8 +15,9 @@ from transformers.trainer_callback import PrinterCallback
 
 from ..core.compat import name_or_path
 from ..core.config import get_settings
+from ..core.names import is_alibi
 from ..fit import fit_slopes
-from ..patch import is_alibi_model, patch_model, settings_for
+from ..patch import patch_model, settings_for
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
@@ -197,7 +198,7 @@ def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, s
     length, the model's kind and the preset (None: the paper's conversion)."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
-    if is_alibi_model(model):
+    if is_alibi(model):
         raise ValueError(
             "recover needs the original model (the teacher), but this one is already ALiBi: pass the checkpoint "
             "it was converted from."

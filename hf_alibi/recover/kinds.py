@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from ..core.config import get_settings
-from ..patch import is_alibi_model
+from ..core.names import is_alibi
 from ..registry import get_architecture
 from .settings import HIDDEN_LAYERS  # noqa: F401  (re-exported: declared beside the hidden_layers setting)
 
@@ -22,7 +22,7 @@ def model_kind(model: PreTrainedModel) -> str:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return SEQ2SEQ_MODEL
-    base_type = get_settings(config).base_model_type if is_alibi_model(model) else config.model_type
+    base_type = get_settings(config).base_model_type if is_alibi(model) else config.model_type
     if get_architecture(base_type).bidirectional and not getattr(config, "is_decoder", False):
         return ENCODER_MODEL
     return CAUSAL_MODEL

@@ -62,4 +62,4 @@ def test_t5_bias_kinds_per_attention_layer():
         assert block.layer[0].SelfAttention.alibi.kind == CAUSAL
         assert not hasattr(block.layer[1].EncDecAttention, "alibi")  # cross-attention: no position bias
     assert all(not m.has_relative_attention_bias for m in model.modules() if hasattr(m, "has_relative_attention_bias"))
-    assert hf_alibi.is_alibi_config(model.encoder.config) and hf_alibi.is_alibi_config(model.decoder.config)
+    assert hf_alibi.is_alibi(model.encoder.config) and hf_alibi.is_alibi(model.decoder.config)

@@ -100,7 +100,7 @@ def test_every_checkpoint_reloads_in_a_fresh_process_with_identical_outputs(save
             for loader in loaders:
                 model = getattr(transformers, loader).from_pretrained(path).eval()
                 assert type(model).__name__.startswith("Alibi"), type(model)
-                assert hf_alibi.is_alibi_model(model)
+                assert hf_alibi.is_alibi(model)
                 with torch.no_grad():
                     out = model(**expected["inputs"])
                 if loader == auto_class:

@@ -76,7 +76,7 @@ def test_trainer_steps_reduce_the_loss_and_train_learned_slopes(case, tmp_path):
     assert len(losses) == 30
     assert losses[0] > 0.5 * math.log(VOCAB)  # started from about uniform
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0], losses  # BERT, slowest here: 4.6 to about 3.3
-    assert hf_alibi.is_alibi_model(model)
+    assert hf_alibi.is_alibi(model)
     removed = ("wpe", "position_embeddings", "embed_positions", "relative_attention")
     assert not any(word in name for name in model.state_dict() for word in removed)  # still gone
     for name, p in learned_slopes(model).items():

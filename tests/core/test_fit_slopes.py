@@ -160,16 +160,18 @@ def llama_folder(tmp_path):
     return src, text
 
 
-def test_cli_convert_fits_the_slopes_on_the_text(llama_folder, tmp_path, capsys):
+@pytest.mark.parametrize("spelling", ["switch", "old"])
+def test_cli_convert_fits_the_slopes_on_the_text(llama_folder, tmp_path, capsys, spelling):
+    # --fit-slopes is a switch as in `recover`, the text --fit-text; the old --fit-slopes TEXT_FILE still runs, noted
     from sharing import run_cli
     from transformers import AutoTokenizer
 
     src, text = llama_folder
     out = tmp_path / "out"
-    code, _, err = run_cli(
-        "convert", src, out, "--preset", "pretrained", "--fit-slopes", text, "--fit-tokens", 40, capsys=capsys
-    )
+    fit = ["--fit-slopes", "--fit-text", text] if spelling == "switch" else ["--fit-slopes", text]
+    code, _, err = run_cli("convert", src, out, "--preset", "pretrained", *fit, "--fit-tokens", 40, capsys=capsys)
     assert code == 0, err
+    assert ("--fit-slopes TEXT_FILE is now --fit-slopes --fit-text TEXT_FILE" in err) == (spelling == "old")
     ids = AutoTokenizer.from_pretrained(src)(text.read_text(), return_tensors="pt")["input_ids"][:, :40]
     expected = hf_alibi.fit_slopes(transformers.AutoModelForCausalLM.from_pretrained(src), ids, sinks=1)
     saved = json.loads((out / "config.json").read_text())["alibi"]
@@ -196,9 +198,11 @@ def test_slopes_given_by_hand_are_not_called_fitted(tmp_path):
     ("extra", "message"),
     [
         (["--fit-scale", "0.2"], "--fit-scale applies to --fit-slopes only"),
-        (["--fit-slopes", "TEXT", "--slope-scale", "0.1"], "--fit-slopes computes the slopes: drop --slopes"),
-        (["--fit-slopes", "TEXT", "--fit-scale", "-1"], "--fit-scale must be > 0"),
-        (["--fit-slopes", "MISSING"], "is not a file: pass the path of a text file"),
+        (["--fit-slopes", "--fit-text", "TEXT", "--slope-scale", "0.1"], "--fit-slopes computes the slopes: drop"),
+        (["--fit-slopes", "--fit-text", "TEXT", "--fit-scale", "-1"], "--fit-scale must be > 0"),
+        (["--fit-slopes", "--fit-text", "MISSING"], "is not a file: pass the path of a text file"),
+        (["--fit-slopes"], "convert has no training text: add --fit-text TEXT_FILE"),
+        (["--fit-slopes", "TEXT", "--fit-text", "TEXT"], "both name a text: keep --fit-text"),
     ],
 )
 def test_cli_fit_slopes_bad_flags_write_nothing(llama_folder, tmp_path, capsys, extra, message):

@@ -104,7 +104,7 @@ def test_a_projection_before_the_table_is_refused_and_the_preset_leaves_it_out()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"position_mean cannot fold .*Pass position_mean=0"):
         hf_alibi.patch_model(model, position_mean=8)
-    assert not hf_alibi.is_alibi_model(model)
+    assert not hf_alibi.is_alibi(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     hf_alibi.patch_model(model, preset="pretrained")
     assert model.config.alibi["position_mean"] == 0

@@ -134,7 +134,7 @@ def test_bad_values_are_refused_and_the_model_is_untouched(make, value, message)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=message):
         hf_alibi.patch_model(model, table_max_wavelength=value)
-    assert not hf_alibi.is_alibi_model(model)
+    assert not hf_alibi.is_alibi(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -123,7 +123,7 @@ def test_checkpoints_reload_as_the_same_alibi_model(fsdp_run, tmp_path):
         name = spec.split(":")[0]
         auto = getattr(transformers, auto_name)
         pretrained = auto.from_pretrained(out / name / "pretrained").eval()
-        assert hf_alibi.is_alibi_model(pretrained) and type(pretrained).__name__.startswith("Alibi")
+        assert hf_alibi.is_alibi(pretrained) and type(pretrained).__name__.startswith("Alibi")
         variant = hf_alibi.get_settings(pretrained.config).encoder_variant
         assert variant == ("learned" if learned_count else None)
         expected = torch.load(out / name / "expected.pt")

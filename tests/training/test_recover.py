@@ -139,7 +139,7 @@ def test_training_lowers_the_loss_and_never_touches_the_teacher(make, tmp_path):
     assert end < 0.9 * start, (start, end)
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
     assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
-    assert not teacher.training and not hf_alibi.is_alibi_model(teacher)
+    assert not teacher.training and not hf_alibi.is_alibi(teacher)
 
 
 def test_lm_weight_mixes_in_the_models_own_loss(tmp_path):
@@ -170,7 +170,7 @@ def test_recover_returns_a_converted_student_closer_to_the_teacher():
         teacher, stream, length=16, max_steps=12, batch_size=8, learning_rate=2e-3, preset="paper", progress=False,
         log=None,
     )  # fmt: skip
-    assert hf_alibi.is_alibi_model(result.student) and not hf_alibi.is_alibi_model(teacher)
+    assert hf_alibi.is_alibi(result.student) and not hf_alibi.is_alibi(teacher)
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
     assert all(p.requires_grad for p in teacher.parameters()), "recover must give the teacher back as it was"
     assert [h["step"] for h in result.history] == [0, 3, 6, 9, 12]
@@ -309,7 +309,7 @@ def test_cli_recover_end_to_end(source, tmp_path, capsys):
 def test_recovered_checkpoint_reloads_as_the_trained_student(recovered):
     src, out, result = recovered
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert hf_alibi.is_alibi_model(reloaded)
+    assert hf_alibi.is_alibi(reloaded)
     ids = random_ids(2, 64, seed=8)  # 4x the original 16 positions
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids).logits, result.student(input_ids=ids).logits, atol=1e-6)
@@ -424,7 +424,7 @@ def test_run_clm_distill_from_original(source, tmp_path, monkeypatch, capsys):
     assert "Agreement with the original (validation, length 16): kl " in printed
     figures = json.loads((out / "distill_agreement.json").read_text())
     student = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert hf_alibi.is_alibi_model(student) and figures["steps"] == 3 and figures["length"] == 16
+    assert hf_alibi.is_alibi(student) and figures["steps"] == 3 and figures["length"] == 16
     # the saved student and the original give the KL the script reported, on the same held-out tokens
     from datasets import load_dataset
 

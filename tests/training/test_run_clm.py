@@ -57,7 +57,7 @@ def _check_results(output_dir, lengths, tokens, splits):
 def _reevaluate(output_dir, split_text, tokens, length, stride):
     """The saved checkpoint, reloaded and evaluated in this process: the figures the script wrote."""
     model = AutoModelForCausalLM.from_pretrained(str(output_dir)).eval()
-    assert hf_alibi.is_alibi_model(model)
+    assert hf_alibi.is_alibi(model)
     tokenizer = AutoTokenizer.from_pretrained(str(output_dir))
     ids = torch.tensor(list(chain(*tokenizer(split_text)["input_ids"])))[:tokens]
     return evaluate_perplexity(model, ids, length, stride)
