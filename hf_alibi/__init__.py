@@ -16,7 +16,7 @@ from .core.version import __version__
 from .fit import fit_slopes
 from .gguf import export_gguf
 from .hub.saving import AlibiPreTrainedMixin
-from .patch import patch_model
+from .patch import ConversionPlan, patch_model, plan_conversion
 from .registry import (
     ARCHITECTURES,
     get_architecture,
@@ -37,6 +37,7 @@ __all__ = [
     "AlibiBias",
     "AlibiSettings",
     "Architecture",
+    "ConversionPlan",
     "__version__",
     "alibi_bias",
     "export_gguf",
@@ -49,6 +50,7 @@ __all__ = [
     "is_alibi",
     "native_model_types",
     "patch_model",
+    "plan_conversion",
     "register_architecture",
     "set_attention_path",
     "supported_model_types",

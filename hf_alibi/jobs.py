@@ -31,7 +31,7 @@ from .core.settings import AlibiSettings
 from .core.slopes import scaled_slopes_list
 from .fit import fit_slopes
 from .hub.folder import write_converted
-from .patch import patch_model, settings_for, takes_options
+from .patch import ConversionPlan, patch_model, plan_conversion, takes_options
 from .positions import original_length
 from .registry import get_native_architecture, supported_model_types
 
@@ -70,7 +70,7 @@ def convert_checkpoint(
     check_output(src, out, overwrite)
     config_dict = read_config(src)
     model_cls = model_class_for(config_dict)
-    settings = _conversion_settings(src, config_dict, heads, encoder_variant, preset, options)
+    plan = _plan(src, config_dict, heads, encoder_variant, preset, options)
     fit_text = _fit_text(fit_file, fit_scale, fit_tokens, options)
     src_has_tokenizer = has_tokenizer(src)
     if fit_text is not None and src_has_tokenizer is False:
@@ -95,11 +95,11 @@ def convert_checkpoint(
             ids = tokenizer(fit_text, truncation=True, max_length=fit_tokens, return_tensors="pt")["input_ids"]
             try:
                 scale = {} if fit_scale is None else {"scale": fit_scale}
-                options["slopes"] = fit_slopes(model, ids, sinks=settings.sinks, **scale)
+                plan = plan.with_slopes(fit_slopes(model, ids, sinks=plan.settings.sinks, **scale))
             except ValueError as error:
                 raise CheckpointError(str(error)) from error
         try:
-            patch_model(model, heads=heads, encoder_variant=encoder_variant, preset=preset, **options)
+            patch_model(model, plan=plan)
         except ValueError as error:
             raise CheckpointError(str(error)) from error
         write_converted(staging, model, src, tokenizer)
@@ -158,7 +158,7 @@ def recover_checkpoint(
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     preset = None if settings.preset == "paper" else settings.preset
-    _conversion_settings(  # the conversion's checks too, before anything loads
+    _plan(  # the conversion's checks too, before anything loads (recover plans it again from the loaded teacher)
         src, config_dict, settings.heads, settings.encoder_variant, preset, settings.conversion_options()
     )
     if settings.resume_from_checkpoint is not None:
@@ -224,9 +224,9 @@ def _checkpoint_to_resume(path: str | os.PathLike) -> str:
     return last
 
 
-def _conversion_settings(src, config_dict: dict, heads, encoder_variant, preset, options: dict):
-    """The settings the conversion of SRC will store (:func:`hf_alibi.patch.settings_for` on its config), checked
-    before anything loads; a :class:`CheckpointError` for a config transformers cannot build or a bad option."""
+def _plan(src, config_dict: dict, heads, encoder_variant, preset, options: dict) -> ConversionPlan:
+    """The conversion of SRC (:func:`hf_alibi.patch.plan_conversion` on its config), planned before anything loads;
+    a :class:`CheckpointError` for a config transformers cannot build or a bad option."""
     try:
         config = AutoConfig.for_model(**config_dict)
     except Exception as error:
@@ -234,7 +234,7 @@ def _conversion_settings(src, config_dict: dict, heads, encoder_variant, preset,
             f"SRC {src!r} has a config.json transformers cannot build a config from: {error}"
         ) from error
     try:
-        return settings_for(config, heads, encoder_variant, preset=preset, **options)
+        return plan_conversion(config, heads, encoder_variant, preset=preset, **options)
     except ValueError as error:
         raise CheckpointError(str(error)) from error
 
@@ -249,6 +249,7 @@ def checkpoint_info(path: str) -> dict:
     """
     config_dict = read_config(path, label="PATH")
     model_type = config_dict["model_type"]
+    local = is_local(path)  # a folder (else a Hub id): what can be read beyond config.json
     info = {
         "path": path,
         "model_type": model_type,
@@ -262,15 +263,15 @@ def checkpoint_info(path: str) -> dict:
         info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
         info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
-        if is_local(path):
+        if local:
             info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
         if settings.encoder_variant == "learned":
-            info["learned_slopes"] = learned_slopes(path) if is_local(path) else None
+            info["learned_slopes"] = learned_slopes(path) if local else None
     else:
         info["convertible"] = model_type in supported_model_types()
         native = get_native_architecture(model_type)  # trained with ALiBi: run as it is, not converted
         info["native_alibi"] = native is not None and native.uses_alibi(config_dict)
-    if is_local(path):
+    if local:
         info["tokenizer"] = has_tokenizer(path)
     return info
 

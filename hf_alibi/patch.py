@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
+from .core.architectures import Architecture
 from .core.config import get_settings
 from .core.conversion import check_fits, check_sinks_fit, convert
 from .core.names import is_alibi
 from .core.settings import FITTED, AlibiSettings, FittedSlopes, TimesOriginalLength, conversion_options, presets
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
-from .core.strategies import find_modules, fold_position_mean, table_rows
+from .core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
 from .native import NativeArchitecture, patch_native
 from .positions import original_length
 from .registry import alibi_classes, get_architecture, get_native_architecture
@@ -108,25 +111,89 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     return values
 
 
-@takes_options
-def settings_for(
-    config, heads: int | None = None, encoder_variant: str | None = None, *, preset: str | None = None, **options
-) -> AlibiSettings:
-    """The settings :func:`patch_model` would store for a model of the original ``config``, or the
-    one-line ``ValueError`` it would raise: every argument is checked here before any model is loaded
-    (``hf-alibi convert`` calls it on SRC's config first).
+@dataclass(frozen=True)
+class ConversionPlan:
+    """One conversion, planned once from the original config and the options (:func:`plan_conversion`), before
+    anything changes: the settings ``config.json`` will hold and the architecture row. :meth:`for_model` completes it
+    with what only the model tells: its ``Alibi<Class>``, the learned table's rows (``table_max_wavelength``), each
+    position table's mean (``position_mean``: measured once, added by :func:`patch_model` after every check) and
+    whether the settings fit it (sinks, per-layer slopes). :func:`settings_for`, :func:`patch_model`, the checkpoint
+    jobs and :func:`hf_alibi.recover.recover` read it.
 
-    >>> settings_for(GPT2Config(n_head=4), preset="pretrained").sinks  # doctest: +SKIP
+    >>> plan = plan_conversion(llama_config, preset="pretrained")  # doctest: +SKIP
+    >>> patch_model(model, plan=plan.with_slopes(hf_alibi.fit_slopes(model, ids, sinks=plan.settings.sinks)))
+    """
+
+    settings: AlibiSettings
+    row: Architecture
+    config: PretrainedConfig = field(repr=False, compare=False)  # the original's, as planned from
+    given: dict = field(repr=False, compare=False)  # heads, encoder_variant, preset and the options as given
+    alibi_class: type | None = None  # with the model (for_model)
+    mean_edits: tuple = field(default=(), repr=False)  # (embedding, fp32 mean) pairs, with the model
+    completed_for: weakref.ref | None = field(default=None, repr=False, compare=False)  # that model
+
+    def with_slopes(self, slopes) -> ConversionPlan:
+        """This plan with ``slopes`` given: fitted by the original (:func:`hf_alibi.fit_slopes`) after planning,
+        with the plan's sinks. Before :meth:`for_model`."""
+        return plan_conversion(self.config, **{**self.given, "slopes": slopes})
+
+    def for_model(self, model: PreTrainedModel) -> ConversionPlan:
+        """The plan completed with ``model`` (of the planned type, not converted yet): one-line ``ValueError`` where
+        it does not fit; nothing changes."""
+        if self.completed_for is not None:  # measured once: the plan as completed, for that model only
+            if self.completed_for() is not model:
+                raise ValueError(
+                    "This plan was completed for another model (its position means are that model's): complete the "
+                    "plan made before for_model with this one."
+                )
+            return self
+        config, row, settings = model.config, self.row, self.settings
+        if config.model_type != settings.base_model_type:
+            raise ValueError(
+                f"This plan converts a {settings.base_model_type} model, not {config.model_type}: plan it from this "
+                "model's config (hf_alibi.plan_conversion(model.config, ...))."
+            )
+        classes = alibi_classes(config.model_type)
+        alibi_cls = classes.get(type(model))
+        if alibi_cls is None:
+            raise ValueError(
+                f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
+                f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
+            )
+        fields, changes, edits = {f.name: f for f in conversion_options()}, {}, ()
+        if settings.table_max_wavelength is not None and _applies(fields["table_max_wavelength"], row, config):
+            changes["table_rows"] = _table_rows(model, row)
+        mean = settings.position_mean
+        if type(mean) is int and mean > 0 and _applies(fields["position_mean"], row, config):  # a bad one: checked
+            try:
+                edits = position_mean_edits(model.base_model, row.position, mean)
+            except ValueError:
+                if self.given.get("position_mean") is not None:
+                    raise
+                changes["position_mean"] = 0  # the preset's value, where the table's owner cannot take it
+        if changes:
+            settings = dataclasses.replace(settings, **changes)  # checked again as it is made
+        check_fits(model, settings, row)  # the strategy, sinks for this kind of model, per-layer slopes
+        completed = weakref.ref(model)
+        return dataclasses.replace(
+            self, settings=settings, alibi_class=alibi_cls, mean_edits=edits, completed_for=completed
+        )
+
+
+@takes_options
+def plan_conversion(
+    config, heads: int | None = None, encoder_variant: str | None = None, *, preset: str | None = None, **options
+) -> ConversionPlan:
+    """The conversion :func:`patch_model` would make of a model of the original ``config``, or the one-line
+    ``ValueError`` it would raise: every argument is checked here, once, before any model is loaded or changed
+    (``hf-alibi convert`` plans from SRC's config.json first).
+
+    >>> plan_conversion(GPT2Config(n_head=4), preset="pretrained").settings.sinks  # doctest: +SKIP
     1
     """
-    return _settings(config, get_architecture(config.model_type), heads, encoder_variant, preset, options)
-
-
-def _settings(config, row, heads, encoder_variant, preset, options: dict, model=None) -> AlibiSettings:
-    """:func:`settings_for` with the row looked up; with the ``model``, what only its weights tell (the retained
-    table's rows, whether the preset's ``position_mean`` can fold) and what must fit it (sinks, per-layer
-    slopes) are settled too. The options are checked once, as the settings are made."""
+    row = get_architecture(config.model_type)
     config_heads = config.num_attention_heads
+    given = {"heads": heads, "encoder_variant": encoder_variant, "preset": preset, **options}
     if heads is None:
         heads = config_heads
     if heads != config_heads:
@@ -143,31 +210,28 @@ def _settings(config, row, heads, encoder_variant, preset, options: dict, model=
             f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
             f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
         )
-    values = resolve_options(config, row, preset, **options)
-    if model is not None:  # where the option applies to the row (else AlibiSettings says so below)
-        fields = {f.name: f for f in conversion_options()}
-        if values["table_max_wavelength"] is not None and _applies(fields["table_max_wavelength"], row, config):
-            values["table_rows"] = _table_rows(model, row)
-        mean = values["position_mean"]
-        if type(mean) is int and mean > 0 and _applies(fields["position_mean"], row, config):  # a bad one: below
-            try:  # nothing changes here: the fold is done by patch_model once everything is checked
-                fold_position_mean(model.base_model, row.position, values["position_mean"], check_only=True)
-            except ValueError:
-                if options.get("position_mean") is not None:
-                    raise
-                values["position_mean"] = 0  # the preset's value, where the table's owner cannot take it
     settings = AlibiSettings(  # checks the options (check_pretrained_options) as it is made
         base_model_type=config.model_type,
         heads=heads,
         encoder_variant=encoder_variant,
         architecture=row.to_dict(),
-        **values,
+        **resolve_options(config, row, preset, **options),
     )
-    if model is not None:
-        check_fits(model, settings, row)  # the strategy, sinks for this kind of model, per-layer slopes
-    else:
-        check_sinks_fit(config, settings)
-    return settings
+    check_sinks_fit(config, settings)
+    return ConversionPlan(settings, row, config, given)
+
+
+@takes_options
+def settings_for(
+    config, heads: int | None = None, encoder_variant: str | None = None, *, preset: str | None = None, **options
+) -> AlibiSettings:
+    """The settings :func:`patch_model` would store for a model of the original ``config`` (before what only the
+    weights tell: :meth:`ConversionPlan.for_model`): :func:`plan_conversion`'s.
+
+    >>> settings_for(GPT2Config(n_head=4), preset="pretrained").sinks  # doctest: +SKIP
+    1
+    """
+    return plan_conversion(config, heads, encoder_variant, preset=preset, **options).settings
 
 
 @takes_options
@@ -177,6 +241,7 @@ def patch_model(
     encoder_variant: str | None = None,
     *,
     preset: str | None = None,
+    plan: ConversionPlan | None = None,
     **options,
 ) -> PreTrainedModel:
     """Convert ``model`` to ALiBi in place and return it.
@@ -204,6 +269,8 @@ def patch_model(
             preset: ``None`` (the paper's method) or a name in :data:`PRESETS`: ``"pretrained"`` keeps
                 more of what a pretrained checkpoint knew (attention sinks, the short-wavelength rotary
                 frequencies, smaller slopes). The conversion options override the preset's values.
+            plan: instead of ``heads``, ``encoder_variant``, ``preset`` and the options, the
+                :class:`ConversionPlan` made of them (:func:`plan_conversion`, e.g. before the model was loaded).
             **options: the conversion options, keyword-only (None: the preset's value, else the paper's), declared
                 as fields of :class:`hf_alibi.AlibiSettings`, saved in ``config.alibi`` and rebuilt on load:
 
@@ -228,25 +295,27 @@ def patch_model(
     native = get_native_architecture(config.model_type)
     if native is not None:  # trained with ALiBi: nothing converted, its attention moved (hf_alibi.native)
         _check_native_arguments(native, config, heads, encoder_variant, preset, options)
+        if plan is not None:
+            raise ValueError(f"{native.model_type} was trained with ALiBi: it takes no plan. Call patch_model(model).")
         return patch_native(model, native)
     if is_alibi(config):
         raise ValueError(
             f"This model is already an ALiBi model ({get_settings(config)}); patch_model converts a "
             "model once. Load the original checkpoint again to convert it with other settings."
         )
-    row = get_architecture(config.model_type)  # the one look-up of the row
-    classes = alibi_classes(config.model_type)
-    alibi_cls = classes.get(type(model))
-    if alibi_cls is None:
-        raise ValueError(
-            f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
-            f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
-        )
-    settings = _settings(config, row, heads, encoder_variant, preset, options, model)  # every check, once
+    if plan is None:
+        plan = plan_conversion(config, heads, encoder_variant, preset=preset, **options)
+    elif (
+        heads is not None
+        or encoder_variant is not None
+        or preset is not None
+        or any(value is not None for value in options.values())
+    ):
+        raise TypeError("patch_model takes a plan or the options it is made from, not both: put them in the plan.")
+    plan = plan.for_model(model)  # every check, once
     # Everything is validated: from here on the instance changes (its weights, then its config, a copy).
-    if settings.position_mean:
-        fold_position_mean(model.base_model, row.position, settings.position_mean)
-    convert(model, settings, row, alibi_cls)
+    add_position_means(plan.mean_edits)
+    convert(model, plan.settings, plan.row, plan.alibi_class)
     return model
 
 

@@ -241,14 +241,17 @@ def absolute(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
 _FOLD_TARGETS = ("token_type_embeddings", "wte", "word_embeddings", "embed_tokens")
 
 
-def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int, check_only: bool = False) -> None:
-    """Absolute rows, before :func:`absolute` removes the tables: add the mean of each table's first ``rows``
-    used rows (from its first position: OPT's offset, RoBERTa's ``padding_idx + 1``) to the vectors its owner
-    adds to every token (token-type embeddings, else the token embeddings), so every token keeps the table's
-    average offset. A tied LM head then gets the same vector in every row: the logits move by the same amount
-    for every token, so probabilities, losses and generation are unchanged by it. ``ValueError`` (nothing
-    changed) where the owner transforms its token embeddings before adding the table (OPT's ``project_in``);
-    ``check_only``: that error or nothing, no edit.
+MeanEdits = tuple[tuple[nn.Embedding, torch.Tensor], ...]  # (embedding, fp32 vector to add) pairs
+
+
+def position_mean_edits(base: nn.Module, paths: tuple[str, ...], rows: int) -> MeanEdits:
+    """What ``position_mean`` adds, measured before :func:`absolute` removes the tables (nothing changed here): for
+    each table, the mean of its first ``rows`` used rows (from its first position: OPT's offset, RoBERTa's
+    ``padding_idx + 1``), fp32, and the embedding it goes to, the vectors its owner adds to every token (token-type
+    embeddings, else the token embeddings), so every token keeps the table's average offset (added by
+    :func:`add_position_means`). A tied LM head then gets the same vector in every row: the logits move by the same
+    amount for every token, so probabilities, losses and generation are unchanged by it. ``ValueError`` where the
+    owner transforms its token embeddings before adding the table (OPT's ``project_in``).
     """
     edits = []
     for path in paths:
@@ -266,8 +269,11 @@ def fold_position_mean(base: nn.Module, paths: tuple[str, ...], rows: int, check
             if used.shape[0] == 0:
                 raise ValueError(f"position_mean: {path!r} has no rows from position {first}. Pass position_mean=0.")
             edits.append((target, used.detach().float().mean(0)))
-    if check_only:
-        return
+    return tuple(edits)
+
+
+def add_position_means(edits: MeanEdits) -> None:
+    """Add what :func:`position_mean_edits` measured, in the embeddings' dtype."""
     with torch.no_grad():
         for target, mean in edits:
             target.weight.add_(mean.to(target.weight.dtype))

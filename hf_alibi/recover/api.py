@@ -17,7 +17,7 @@ from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.names import is_alibi
 from ..fit import fit_slopes
-from ..patch import patch_model, settings_for
+from ..patch import ConversionPlan, patch_model, plan_conversion
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
@@ -108,7 +108,7 @@ def recover(
     """
     # 1. every check, before any work (the one place: _check)
     settings = recovery_settings(settings, **overrides)  # each field's own check
-    original, kind, preset = _check(model, settings, eval_texts)
+    original, kind, preset, plan = _check(model, settings, eval_texts)
     learning_rate = settings.learning_rate
     if learning_rate is None:
         learning_rate = default_learning_rate(kind, preset, settings.lora_rank)
@@ -117,7 +117,7 @@ def recover(
     except ValueError as error:
         raise ValueError(f"{model.config.model_type}: {error}") from None
     length, eval_factors = lengths.length, lengths.factors
-    max_steps, batch_size, options = settings.max_steps, settings.batch_size, settings.conversion_options()
+    max_steps, batch_size = settings.max_steps, settings.batch_size
     say = log or (lambda _: None)
     for note in lengths.notes:
         _write(f"[recover] {note}", say)
@@ -130,14 +130,9 @@ def recover(
     )
     # 3. the student: a converted copy (slopes fitted by the teacher, where asked)
     teacher = model
-    slopes = _fitted_slopes(
-        teacher, train_stream, frame, preset, settings.fit_slopes, settings.heads, settings.encoder_variant, options
-    )
+    slopes = _fitted_slopes(teacher, train_stream, frame, preset, settings.fit_slopes, plan)
     student = copy.deepcopy(teacher).requires_grad_(True)
-    fitted = {} if slopes is None else {"slopes": slopes}  # none fitted: the options' (or the preset's)
-    patch_model(
-        student, heads=settings.heads, encoder_variant=settings.encoder_variant, preset=preset, **{**options, **fitted}
-    )
+    patch_model(student, plan=plan if slopes is None else plan.with_slopes(slopes))  # none fitted: the options'
     trained = add_lora(student, settings.lora_rank) if settings.lora_rank else student
     # 4. distil, with the agreement at the start, every eval_every steps and at the end
     history: list[dict[str, Any]] = []
@@ -192,10 +187,10 @@ def recover(
     return RecoveryResult(student=student, history=history, info=info)
 
 
-def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, str, str | None]:
+def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, str, str | None, ConversionPlan]:
     """Every check of :func:`recover`'s arguments past each setting's own (:class:`RecoverySettings`), before any
     work: one-line ``ValueError`` (``TypeError`` for a model that is no transformers model). Returns the original
-    length, the model's kind and the preset (None: the paper's conversion)."""
+    length, the model's kind, the preset (None: the paper's conversion) and the conversion's plan."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
     if is_alibi(model):
@@ -207,13 +202,13 @@ def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, s
     check_settings(original, settings)  # those that need the teacher's length, or several settings at once
     preset = None if settings.preset == "paper" else settings.preset
     options = settings.conversion_options()
-    settings_for(model.config, settings.heads, settings.encoder_variant, preset=preset, **options)  # conversion's
+    plan = plan_conversion(model.config, settings.heads, settings.encoder_variant, preset=preset, **options)
     if settings.warm_start_steps and position_table(model) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {model.config.model_type} has none "
             "(rotary or relative positions). Use warm_start_steps=0."
         )
-    return original, model_kind(model), preset
+    return original, model_kind(model), preset, plan
 
 
 def _split_text(texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, length, frame):
@@ -271,10 +266,10 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
 FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (eager attention: heads x T^2 per layer)
 
 
-def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant, options) -> list[list[float]] | None:
+def _fitted_slopes(teacher, stream, frame, preset, fit, plan: ConversionPlan) -> list[list[float]] | None:
     """The teacher's fitted slopes for the conversion (:func:`hf_alibi.fit_slopes`), or None (the options' or the
     preset's)."""
-    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
+    given = [name for name in ("slopes", "slope_scale") if plan.given.get(name) is not None]
     if fit is None:  # by default where it can (fit_slopes refuses encoder-decoders itself when asked)
         fit = preset is not None and not given and not getattr(teacher.config, "is_encoder_decoder", False)
     if not fit:
@@ -283,10 +278,9 @@ def _fitted_slopes(teacher, stream, frame, preset, fit, heads, encoder_variant, 
         raise ValueError(f"fit_slopes computes the slopes: drop {' and '.join(given)} (or pass fit_slopes=False).")
     if preset is None:
         raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
-    settings = settings_for(teacher.config, heads, encoder_variant, preset=preset, **options)
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
     text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
-    return fit_slopes(teacher, frame_rows(text[None], frame), sinks=settings.sinks)
+    return fit_slopes(teacher, frame_rows(text[None], frame), sinks=plan.settings.sinks)
 
 
 def _slopes_note(slopes, preset: str | None) -> str:
