@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
+from .core.flash import flash_refusal
 from .core.forward import KEYWORD, ForwardSetup, SharedByLayers, bound_arguments, call_forward, forward_of, hook_base
 from .core.mask import attends
 from .core.names import alibi_name, check_backend
@@ -290,11 +291,10 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
             if isinstance(name, str):
                 check_backend(name)
-                if row.key_rounding is not None and name.startswith("flash"):
-                    raise ValueError(
-                        f"flash-attn's ALiBi cannot round each key's bias to {row.key_rounding} as {row.model_type}'s "
-                        "own code does: use attn_implementation 'sdpa', 'eager' or 'flex_attention'."
-                    )
+                if name.startswith("flash"):  # before the model is switched: what the kernel would refuse
+                    reason = flash_refusal(next(m for m in self.modules() if isinstance(m, AlibiBias)))
+                    if reason is not None:
+                        raise ValueError(reason)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):

@@ -79,6 +79,9 @@ def native_loader(config: dict, model: str) -> type:
             f"MODEL {model!r} names no transformers class in config.json's architectures: re-save it."
         )
     original = getattr(original, "_served_original", original)  # registered by an earlier call in this process
+    served = _NATIVE_SERVING.get(original)
+    if served is not None:  # one class per original (serve() asks twice)
+        return served
 
     class NativeServing(original):
         _served_original = original
@@ -91,7 +94,11 @@ def native_loader(config: dict, model: str) -> type:
             return loaded
 
     NativeServing.__name__ = NativeServing.__qualname__ = original.__name__
+    _NATIVE_SERVING[original] = NativeServing
     return NativeServing
+
+
+_NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained with ALiBi -> its serving subclass
 
 
 def serve(model: str, arguments: list[str]) -> None:

@@ -220,3 +220,17 @@ def test_serve_without_the_serving_extras_says_what_to_install(folder):
     assert child.returncode == 2, child.stderr[-3000:]
     assert child.stderr.count("\n") == 1 and child.stderr.startswith("hf-alibi: error: ")
     assert "pip install 'hf_alibi[serve]'" in child.stderr and "transformers[serving]" in child.stderr
+
+
+def test_a_model_trained_with_alibi_gets_one_serving_class_per_original(bloom_folder):
+    # serve() asks for the class twice (before and after transformers' CLI app is made): the same class both times
+    from hf_alibi.checkpoints import read_config
+    from hf_alibi.serve import native_loader
+
+    config = read_config(str(bloom_folder), "MODEL")
+    first, second = native_loader(config, str(bloom_folder)), native_loader(config, str(bloom_folder))
+    assert (
+        first is second
+        and first.__name__ == "BloomForCausalLM"
+        and first._served_original.__module__.startswith("transformers.")
+    )

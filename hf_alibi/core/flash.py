@@ -27,6 +27,29 @@ def flash_kernels(device: torch.device) -> tuple:
     return flash_attn_func, flash_attn_varlen_func
 
 
+def flash_refusal(alibi) -> str | None:
+    """Why flash-attn cannot render this layer's bias, in one line (what to use instead), else ``None``: its kernel
+    adds ``-m |i - j|`` itself, in fp32, so only the causal and symmetric forms, no sinks (exempting some keys would
+    need a second pass over them, merged by log-sum-exp), no bias rounded per key (Falcon's). Asked by the kernel
+    and, for the models trained with ALiBi, by ``set_attn_implementation`` (``native.py``)."""
+    if alibi.kind not in (CAUSAL, SYMMETRIC):
+        return (
+            f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
+            "use model.set_attn_implementation('sdpa')."
+        )
+    if alibi.sinks:
+        return (
+            f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
+            "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
+        )
+    if alibi.rounding is not None:
+        return (
+            f"flash-attn's ALiBi cannot round each key's bias to {alibi.rounding.dtype} as this model's own code does "
+            "(Falcon): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
+        )
+    return None
+
+
 def flash_alibi_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -52,21 +75,9 @@ def flash_alibi_attention(
     """
     alibi = module.alibi
     alibi.check_heads(query)
-    if alibi.kind not in (CAUSAL, SYMMETRIC):
-        raise NotImplementedError(
-            f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
-            "use model.set_attn_implementation('sdpa')."
-        )
-    if alibi.sinks:  # flash-attn adds -m|i - j| to every key; exempting some would need a second pass
-        raise NotImplementedError(
-            f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
-            "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
-        )
-    if alibi.rounding is not None:  # flash-attn computes -m |i - j| itself, in fp32
-        raise NotImplementedError(
-            f"flash-attn's ALiBi cannot round each key's bias to {alibi.rounding.dtype} as this model's own code does "
-            "(Falcon): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
-        )
+    reason = flash_refusal(alibi)
+    if reason is not None:
+        raise NotImplementedError(reason)
     flash_attn_func, flash_attn_varlen_func = flash_kernels(query.device)
     upad_input, unpad_input, pad_input = flash_padding_helpers()
 
