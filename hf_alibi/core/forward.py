@@ -33,7 +33,7 @@ from .packing import document_starts, is_packed
 KEYWORD = "alibi_forward"  # the keyword argument an AlibiForward travels under
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)  # slots: made before every forward, read by every layer
 class AlibiForward:
     """What one forward tells every ALiBi layer, and what its layers share.
 
