@@ -31,7 +31,7 @@ from .compat import (
     stored_attn_implementation,
 )
 from .names import alibi_name, base_name, check_backend
-from .slopes import CAUSAL, KeyRounding
+from .slopes import CAUSAL, KeyRounding, is_sink
 
 # The backends whose ALiBi path takes one additive mask: the paged path's bias goes there.
 PAGED_BACKENDS = ("sdpa", "eager")
@@ -120,8 +120,8 @@ def paged_bias(
     else:  # t(p_j) - t(p_i), positions in the request (KeyRounding)
         keys = rounding.terms(slopes, (positions[:, None] - distance).float())  # (H, Q, K)
         bias = keys - rounding.terms(slopes, positions.float())[:, :, None]
-    if sinks:  # key position = query position - distance
-        bias = bias.masked_fill((positions[:, None] - distance < sinks)[None], 0.0)
+    if sinks:  # key position in its request = query position - distance; each request starts at 0
+        bias = bias.masked_fill(is_sink(positions[:, None] - distance, 0, sinks)[None], 0.0)
     return torch.where(allowed, bias, masked_value).unsqueeze(0)
 
 

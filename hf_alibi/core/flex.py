@@ -11,7 +11,7 @@ from .compat import compiled_flex_attention, repeat_kv
 from .denormals import flushed
 from .forward import AlibiForward
 from .packing import same_document
-from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, offsets, row_positions
+from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, is_sink, offsets, row_positions
 
 
 def alibi_score_mod(
@@ -41,7 +41,7 @@ def alibi_score_mod(
             return bias
         row = starts[0] if first_row else starts[b]
         start = row[key] if per_key else row
-        return torch.where((key >= start) & (key < start + sinks), 0.0, bias)
+        return torch.where(is_sink(key, start, sinks), 0.0, bias)
 
     if kind == LEARNED:
         left, right = alibi.learned_slopes()

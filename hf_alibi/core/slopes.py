@@ -91,6 +91,13 @@ def relative_distance(
     return query_pos[:, None] - key_pos[None, :]  # (q, kv)
 
 
+def is_sink(key_positions: torch.Tensor, starts, sinks: int) -> torch.Tensor:
+    """The sink test, the one place that says it: a key is a sink when it is one of the first ``sinks`` real tokens of
+    its row (document, request), ``starts <= position < starts + sinks`` (positions as :func:`offsets` places them,
+    ``starts`` broadcast against them). Every kernel asks it (:func:`sink_keys`, flex's score_mod, the paged bias)."""
+    return (key_positions >= starts) & (key_positions < starts + sinks)
+
+
 def sink_keys(
     kv_len: int, sinks: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -107,7 +114,7 @@ def sink_keys(
     key_pos = torch.arange(kv_len, device=device) + offsets(0, kv_len, end)[1]
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
     starts = starts[:, None] if starts.dim() == 1 else starts  # (B, 1), or (B|1, kv) per key
-    return ((key_pos >= starts) & (key_pos < starts + sinks))[:, None, None, :]
+    return is_sink(key_pos, starts, sinks)[:, None, None, :]
 
 
 def scaled_slopes_list(n_heads: int, slope_scale: float = 1.0, slopes: list | None = None) -> list:
