@@ -2,14 +2,14 @@
 
 Every question the CLI, recovery, the Hub code and the scripts ask about a checkpoint has its one
 answer here: is SRC a folder or a Hub id (:func:`source_kind`), what its config.json says
-(:func:`read_config`), is that config an ALiBi one (:func:`is_alibi`), which class loads it
-(:func:`model_class_for`), may OUT be written (:func:`check_output`), and how OUT is written without
-ever leaving half a folder (:func:`staged_output`); how long the original's inputs were is
-:func:`hf_alibi.positions.original_length`. Bad input raises :class:`CheckpointError` (a ``ValueError``) with one line
-that says what to do; the CLI prints it and exits with status 2.
+(:func:`read_config`; both at once, resolved once and carried by a job: :func:`open_source`), is that config an
+ALiBi one (:func:`is_alibi`), which class loads it (:func:`model_class_for`), may OUT be written
+(:func:`check_output`), and how OUT is written without ever leaving half a folder (:func:`staged_output`); how long
+the original's inputs were is :func:`hf_alibi.positions.original_length`. Bad input raises :class:`CheckpointError` (a
+``ValueError``) with one line that says what to do; the CLI prints it and exits with status 2.
 
 Example:
-    >>> config = read_config("my-gpt2")           # a folder or a Hub id
+    >>> source = open_source("my-gpt2")           # a folder or a Hub id
     >>> check_output("my-gpt2", Path("out"), overwrite=False)
     >>> with staged_output("out") as staging:       # out appears only when the block succeeds
     ...     model.save_pretrained(staging)
@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,17 +167,47 @@ def check_hub_source(name: str | os.PathLike, label: str = "SRC") -> None:
         ) from error
 
 
-def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
-    """config.json of the checkpoint ``src`` (folder or Hub id) as transformers reads it, with a
-    ``model_type``; a :class:`CheckpointError` that says what is wrong otherwise.
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint to read, resolved once (:func:`open_source`): the name as given, whether it is a folder here or a
+    Hub id (``kind``), and its config.json. What a job carries from its first check to its last write (the class
+    that loads it, the tokenizer question, the model card's ``base_model``) instead of asking again.
 
-    >>> read_config("my-gpt2")["model_type"]
-    'gpt2'
+    >>> source = open_source("my-gpt2")  # doctest: +SKIP
+    >>> source.kind, source.config["model_type"], source.model_class().__name__
+    ('folder', 'gpt2', 'GPT2LMHeadModel')
     """
+
+    name: str
+    kind: Literal["folder", "hub"]
+    config: dict[str, Any] = field(repr=False)
+    label: str = "SRC"
+
+    @property
+    def local(self) -> bool:
+        return self.kind == "folder"
+
+    def has_tokenizer(self) -> bool | None:
+        """:func:`has_tokenizer` of this source."""
+        return has_tokenizer(self)
+
+    def model_class(self) -> type:
+        """The transformers (or Alibi) class that loads it (:func:`model_class_for`)."""
+        return model_class_for(self.config)
+
+
+def open_source(src: str | os.PathLike | Source, label: str = "SRC") -> Source:
+    """The checkpoint ``src`` (folder or Hub id) resolved once: checked (:func:`check_source`; a Hub id not in the
+    local cache asked once, :func:`check_hub_source`) and its config.json read as transformers reads it, with a
+    ``model_type``; a :class:`CheckpointError` that says what is wrong otherwise. A :class:`Source` is returned as
+    it is."""
+    if isinstance(src, Source):
+        return src
     from transformers import PretrainedConfig
 
     src = os.fspath(src)
-    if check_source(src, label) == "hub" and not _in_cache(src):
+    kind = check_source(src, label)
+    if kind == "hub" and not _in_cache(src):
         check_hub_source(src, label)
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(src)
@@ -191,14 +222,25 @@ def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
         raise CheckpointError(
             f"{label} {src!r}: config.json has no model_type; hf_alibi cannot tell its architecture."
         )
-    return config_dict
+    return Source(src, kind, config_dict, label)
 
 
-def has_tokenizer(src: str | os.PathLike) -> bool | None:
+def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
+    """config.json of the checkpoint ``src`` (folder or Hub id): :func:`open_source`'s.
+
+    >>> read_config("my-gpt2")["model_type"]
+    'gpt2'
+    """
+    return open_source(src, label).config
+
+
+def has_tokenizer(src: str | os.PathLike | Source) -> bool | None:
     """True/False for a local folder (tokenizer files there or not); None (unknown: try) for a Hub id."""
-    if is_local(src):
-        return any((Path(src).expanduser() / name).is_file() for name in TOKENIZER_FILES)
-    return None
+    local = src.local if isinstance(src, Source) else is_local(src)
+    if not local:
+        return None
+    name = src.name if isinstance(src, Source) else src
+    return any((Path(name).expanduser() / file).is_file() for file in TOKENIZER_FILES)
 
 
 def model_class_for(config_dict: Mapping[str, Any]) -> type:
@@ -311,6 +353,7 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
 
 __all__ = [
     "CheckpointError",
+    "Source",
     "TOKENIZER_FILES",
     "check_hub_source",
     "check_output",
@@ -320,6 +363,7 @@ __all__ = [
     "is_hub_id",
     "is_local",
     "model_class_for",
+    "open_source",
     "read_config",
     "source_kind",
     "staged_output",

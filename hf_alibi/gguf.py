@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoints import has_tokenizer, is_alibi, read_config
+from .checkpoints import is_alibi, open_source
 from .core.settings import conversion_options
 
 # Module level imports only what the command line's parser needs (OUTTYPES): torch, numpy and the config classes are
@@ -111,12 +111,13 @@ def _load(src, tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(src)
-    config = read_config(folder)
+    source = open_source(folder)
+    config = source.config
     _refuse_native(config["model_type"], config)
     if not is_alibi(config):
         raise GGUFExportError(f"{folder} is not an ALiBi checkpoint: convert it first (hf-alibi convert).")
     if tokenizer is None:  # before the weights load: GGUF carries the tokenizer, and a folder may lack one
-        if has_tokenizer(folder) is False:
+        if source.has_tokenizer() is False:
             raise GGUFExportError(
                 f"{folder} has no tokenizer files, and GGUF carries the tokenizer: save it there first "
                 f"(tokenizer.save_pretrained({str(folder)!r})), then export again."

@@ -17,16 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, AutoTokenizer
 
-from .checkpoints import (
-    CheckpointError,
-    check_output,
-    has_tokenizer,
-    is_alibi,
-    is_local,
-    model_class_for,
-    read_config,
-    staged_output,
-)
+from .checkpoints import CheckpointError, Source, check_output, is_alibi, open_source, staged_output
 from .core.settings import AlibiSettings
 from .core.slopes import scaled_slopes_list
 from .fit import fit_slopes
@@ -68,11 +59,11 @@ def convert_checkpoint(
 
     out = Path(out)
     check_output(src, out, overwrite)
-    config_dict = read_config(src)
-    model_cls = model_class_for(config_dict)
-    plan = _plan(src, config_dict, heads, encoder_variant, preset, options)
+    source = open_source(src)  # resolved once, carried to the last write
+    model_cls = source.model_class()
+    plan = _plan(source, heads, encoder_variant, preset, options)
     fit_text = _fit_text(fit_file, fit_scale, fit_tokens, options)
-    src_has_tokenizer = has_tokenizer(src)
+    src_has_tokenizer = source.has_tokenizer()
     if fit_text is not None and src_has_tokenizer is False:
         raise CheckpointError(f"--fit-slopes tokenizes the text with SRC's tokenizer, but SRC {src!r} has none.")
     with staged_output(out) as staging:  # made first: a place that cannot be written fails before loading
@@ -102,7 +93,7 @@ def convert_checkpoint(
             patch_model(model, plan=plan)
         except ValueError as error:
             raise CheckpointError(str(error)) from error
-        write_converted(staging, model, src, tokenizer)
+        write_converted(staging, model, source, tokenizer)
     return out
 
 
@@ -142,7 +133,8 @@ def recover_checkpoint(
 
     out = Path(out)
     check_output(src, out, overwrite)
-    config_dict = read_config(src)
+    source = open_source(src)  # resolved once, carried to the last write
+    config_dict = source.config
     if is_alibi(config_dict):
         raise CheckpointError(
             f"SRC {src!r} is already an ALiBi checkpoint (model_type {config_dict['model_type']!r}); recover needs "
@@ -159,14 +151,14 @@ def recover_checkpoint(
         raise CheckpointError(str(error)) from None
     preset = None if settings.preset == "paper" else settings.preset
     _plan(  # the conversion's checks too, before anything loads (recover plans it again from the loaded teacher)
-        src, config_dict, settings.heads, settings.encoder_variant, preset, settings.conversion_options()
+        source, settings.heads, settings.encoder_variant, preset, settings.conversion_options()
     )
     if settings.resume_from_checkpoint is not None:
         settings = replace(settings, resume_from_checkpoint=_checkpoint_to_resume(settings.resume_from_checkpoint))
-    model_cls = model_class_for(config_dict)
+    model_cls = source.model_class()
     texts = read_texts(train_file)
     eval_texts = read_texts(validation_file) if validation_file is not None else None
-    if has_tokenizer(src) is False:
+    if source.has_tokenizer() is False:
         raise CheckpointError(
             f"SRC {src!r} has no tokenizer files; recover needs the model's tokenizer to read the text."
         )
@@ -201,7 +193,7 @@ def recover_checkpoint(
         result.info["teacher"] = src
 
         # as hf-alibi convert (SRC's companions kept), the card with how it was recovered
-        write_converted(staging, result.student, src, tokenizer, recovery=recovery_card_section(result))
+        write_converted(staging, result.student, source, tokenizer, recovery=recovery_card_section(result))
         (staging / "recovery.json").write_text(
             json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
         )
@@ -224,14 +216,14 @@ def _checkpoint_to_resume(path: str | os.PathLike) -> str:
     return last
 
 
-def _plan(src, config_dict: dict, heads, encoder_variant, preset, options: dict) -> ConversionPlan:
+def _plan(source: Source, heads, encoder_variant, preset, options: dict) -> ConversionPlan:
     """The conversion of SRC (:func:`hf_alibi.patch.plan_conversion` on its config), planned before anything loads;
     a :class:`CheckpointError` for a config transformers cannot build or a bad option."""
     try:
-        config = AutoConfig.for_model(**config_dict)
+        config = AutoConfig.for_model(**source.config)
     except Exception as error:
         raise CheckpointError(
-            f"SRC {src!r} has a config.json transformers cannot build a config from: {error}"
+            f"SRC {source.name!r} has a config.json transformers cannot build a config from: {error}"
         ) from error
     try:
         return plan_conversion(config, heads, encoder_variant, preset=preset, **options)
@@ -247,9 +239,8 @@ def checkpoint_info(path: str) -> dict:
     >>> checkpoint_info("gpt2-alibi")["heads"]  # doctest: +SKIP
     12
     """
-    config_dict = read_config(path, label="PATH")
-    model_type = config_dict["model_type"]
-    local = is_local(path)  # a folder (else a Hub id): what can be read beyond config.json
+    source = open_source(path, label="PATH")
+    config_dict, model_type, local = source.config, source.config["model_type"], source.local
     info = {
         "path": path,
         "model_type": model_type,
@@ -272,7 +263,7 @@ def checkpoint_info(path: str) -> dict:
         native = get_native_architecture(model_type)  # trained with ALiBi: run as it is, not converted
         info["native_alibi"] = native is not None and native.uses_alibi(config_dict)
     if local:
-        info["tokenizer"] = has_tokenizer(path)
+        info["tokenizer"] = source.has_tokenizer()
     return info
 
 

@@ -406,12 +406,12 @@ def src32(tmp_path):
 @pytest.fixture
 def no_recover_loading(monkeypatch, no_training):
     """Fails the test if recover loads the model (on top of the tokenizer and the training)."""
-    import hf_alibi.jobs as job
+    from hf_alibi.checkpoints import Source
 
-    def refuse(config_dict):
+    def refuse(source):
         raise AssertionError("recover picked a model class to load although a setting is bad")
 
-    monkeypatch.setattr(job, "model_class_for", refuse)
+    monkeypatch.setattr(Source, "model_class", refuse)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoints import CheckpointError, is_local
+from ..checkpoints import CheckpointError, Source, is_local, open_source
 from ..core.config import NO_MAXIMUM
 from .saving import finish_folder
 
@@ -85,14 +85,15 @@ def select_companions(paths: list[str], folder: str | os.PathLike) -> list[str]:
     return sorted(set(files))
 
 
-def _source(src: str | os.PathLike) -> tuple[Path, list[str]]:
+def _source(src: str | os.PathLike | Source) -> tuple[Path, list[str]]:
     """A local folder holding SRC's companions, and their names: SRC itself, or a Hub download of only them."""
-    if is_local(src):
+    local = src.local if isinstance(src, Source) else is_local(src)
+    src = src.name if isinstance(src, Source) else os.fspath(src)
+    if local:
         folder = Path(src).expanduser()
         return folder, companion_files(folder)
     from huggingface_hub import HfApi, constants, snapshot_download
 
-    src = os.fspath(src)
     try:
         if constants.HF_HUB_OFFLINE:  # what the local cache holds of it (the model was loaded from there)
             folder = Path(snapshot_download(src, local_files_only=True))
@@ -108,7 +109,7 @@ def _source(src: str | os.PathLike) -> tuple[Path, list[str]]:
         ) from error
 
 
-def copy_companions(src: str | os.PathLike, folder: str | os.PathLike) -> list[str]:
+def copy_companions(src: str | os.PathLike | Source, folder: str | os.PathLike) -> list[str]:
     """Copy SRC's companion files (:func:`companion_files`; a Hub id: those of its files, downloaded) into
     ``folder``; returns their names."""
     source, names = _source(src)
@@ -138,7 +139,7 @@ def lift_length_limits(folder: str | os.PathLike) -> None:
 
 
 def write_converted(
-    folder: str | os.PathLike, model, src: str | os.PathLike, tokenizer=None, recovery: str | None = None
+    folder: str | os.PathLike, model, src: str | os.PathLike | Source, tokenizer=None, recovery: str | None = None
 ) -> None:
     """Write the converted ``model`` into ``folder`` (a staging folder): SRC's companions first, then the
     weights, config.json (ALiBi settings, ``auto_map``), remote code, ``tokenizer`` (when given), the lifted
@@ -148,10 +149,11 @@ def write_converted(
     ...     write_converted(staging, hf_alibi.patch_model(model), "my-gpt2", tokenizer)
     """
     folder = Path(folder)
+    src = src if isinstance(src, Source) else open_source(src)  # a folder or a Hub id: asked once
     copy_companions(src, folder)
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json, modeling_alibi.py
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)  # over SRC's copies; files it no longer writes stay (vocab.txt, ...)
     lift_length_limits(folder)
     (folder / "README.md").unlink(missing_ok=True)
-    finish_folder(folder, model.config, base_model=None if is_local(src) else os.fspath(src), recovery=recovery)
+    finish_folder(folder, model.config, base_model=None if src.local else src.name, recovery=recovery)

@@ -110,3 +110,20 @@ def test_staged_output_turns_oserror_into_one_error(tmp_path):
     with checkpoints.staged_output(out) as staging:
         (staging / "weights").write_text("whole")
     assert [p.name for p in out.iterdir()] == ["weights"] and sorted(p.name for p in out.parent.iterdir()) == ["out"]
+
+
+def test_a_source_is_resolved_once_and_carried(tmp_path, monkeypatch):
+    # open_source checks the name and reads config.json once; the job then asks the Source, never the name again
+    folder = tmp_path / "src"
+    GPT2Config(n_layer=1, n_head=2, n_embd=8).save_pretrained(folder)
+    source = checkpoints.open_source(folder)
+    assert (source.kind, source.local, source.config["model_type"]) == ("folder", True, "gpt2")
+    assert source.has_tokenizer() is False and source.model_class().__name__ == "GPT2LMHeadModel"
+    (folder / "tokenizer.json").write_text("{}")
+    assert source.has_tokenizer() is True
+    assert checkpoints.open_source(source) is source and checkpoints.read_config(folder) == source.config
+    asked = []
+    monkeypatch.setattr(checkpoints, "check_source", lambda *a: asked.append(a) or "folder")
+    assert checkpoints.open_source(source) is source and asked == []  # carried: not checked again
+    hub = checkpoints.Source("someone/model", "hub", {"model_type": "gpt2"})
+    assert not hub.local and hub.has_tokenizer() is None
