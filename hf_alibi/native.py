@@ -27,7 +27,16 @@ from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.flash import flash_refusal
-from .core.forward import KEYWORD, ForwardSetup, SharedByLayers, bound_arguments, call_forward, forward_of, hook_base
+from .core.forward import (
+    KEYWORD,
+    CheckpointsInForward,
+    ForwardSetup,
+    SharedByLayers,
+    bound_arguments,
+    call_forward,
+    forward_of,
+    hook_base,
+)
 from .core.mask import attends
 from .core.names import alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
@@ -304,7 +313,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
 
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
-        (original,),
+        (CheckpointsInForward, original),
         {
             "forward": forward,
             "set_attn_implementation": set_attn_implementation,

@@ -346,3 +346,17 @@ __all__ += [
     "serving_available",
     "transformers_cli_app",
 ]
+
+
+def with_checkpoint_function(args: tuple, kwargs: dict, wrap) -> tuple[tuple, dict]:
+    """The arguments of ``PreTrainedModel._set_gradient_checkpointing(enable, gradient_checkpointing_func,
+    every_n_layers)`` with the checkpointing function replaced by ``wrap(function)``; transformers' default is
+    ``torch.utils.checkpoint.checkpoint``. Checked on transformers 5.24 (activation_checkpointing_enable passes the
+    function by name, a ``functools.partial`` of ``checkpoint`` with the user's keyword arguments)."""
+    if "gradient_checkpointing_func" in kwargs:
+        return args, {**kwargs, "gradient_checkpointing_func": wrap(kwargs["gradient_checkpointing_func"])}
+    if len(args) > 1:
+        return (args[0], wrap(args[1]), *args[2:]), kwargs
+    from torch.utils.checkpoint import checkpoint
+
+    return args, {**kwargs, "gradient_checkpointing_func": wrap(checkpoint)}

@@ -15,7 +15,14 @@ from .batching import make_manager
 from .bias import AlibiBias
 from .compat import register_recorded_outputs, zeros_unless_loaded
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
-from .forward import ForwardSetup, SharedByLayers, bound_arguments, call_forward, hook_base  # noqa: F401
+from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickles and imports named here)
+    CheckpointsInForward,
+    ForwardSetup,
+    SharedByLayers,
+    bound_arguments,
+    call_forward,
+    hook_base,
+)
 from .names import check_backend
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
@@ -206,7 +213,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
     name = "Alibi" + base_cls.__name__
     cls = type(
         name,
-        (*bases, base_cls),
+        (*bases, CheckpointsInForward, base_cls),
         {
             "__init__": __init__,
             "forward": forward,
