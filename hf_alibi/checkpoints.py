@@ -236,11 +236,17 @@ def read_config(src: str | os.PathLike, label: str = "SRC") -> dict[str, Any]:
 
 def has_tokenizer(src: str | os.PathLike | Source) -> bool | None:
     """True/False for a local folder (tokenizer files there or not); None (unknown: try) for a Hub id."""
-    local = src.local if isinstance(src, Source) else is_local(src)
+    name, local = name_and_place(src)
     if not local:
         return None
-    name = src.name if isinstance(src, Source) else src
     return any((Path(name).expanduser() / file).is_file() for file in TOKENIZER_FILES)
+
+
+def name_and_place(src: str | os.PathLike | Source) -> tuple[str, bool]:
+    """SRC's name and whether it is a folder here: what a :class:`Source` carries, else asked of the name."""
+    if isinstance(src, Source):
+        return src.name, src.local
+    return os.fspath(src), is_local(src)
 
 
 def model_class_for(config_dict: Mapping[str, Any]) -> type:

@@ -136,7 +136,7 @@ def _choose_and_run(
         alibi.last_path = path
     if path == FOLDED:
         attention_mask = packed_causal_mask(forward, query, key.shape[2], attention_mask)
-        starts, end = (forward.starts, forward.end) if alibi.sinks or alibi.rounding is not None else (None, None)
+        starts, end = forward.rows(alibi)
         run = partial(
             folded_causal_attention, module, attention_mask=attention_mask,
             slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),

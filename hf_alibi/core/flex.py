@@ -22,11 +22,11 @@ def alibi_score_mod(
     Disallowed pairs (causal future keys, the nonsymmetric form's other side) get ``-inf``; the
     mask transformers made (a ``BlockMask``) handles padding. ``softcap`` caps the score before the
     bias is added, as the eager path does (see ``dense.eager_attention_forward``). With sinks, the
-    first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as
-    ``rows``: the forward's ``(starts, end)``, ``forward.AlibiForward``; positions as ``slopes.relative_distance``).
+    first ``alibi.sinks`` real keys of each row get no bias (row starts and the sequence's end as ``rows``: the
+    forward's, ``AlibiForward.rows``; positions as ``slopes.relative_distance``).
     """
     kind, sinks, rounding = alibi.kind, alibi.sinks, alibi.rounding
-    starts, end = rows if sinks or rounding is not None else (None, None)
+    starts, end = rows
     query_offset, key_offset = offsets(q_len, kv_len, end)
     starts = torch.zeros(1, dtype=torch.long, device=device) if starts is None else starts.to(device)
     first_row = starts.shape[0] == 1  # one start for every row
@@ -115,8 +115,7 @@ def flex_alibi_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
     forward = AlibiForward() if forward is None else forward
-    rows = (forward.starts, forward.end)
-    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap, rows=rows)
+    score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap, rows=forward.rows(alibi))
     if isinstance(attention_mask, torch.Tensor):  # a 4D mask (bool or additive) instead of a BlockMask
         extra = attention_mask[:, :, :, :kv_len]
         extra = torch.where(extra, 0.0, -float("inf")) if extra.dtype == torch.bool else extra.float()

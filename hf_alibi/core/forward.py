@@ -58,6 +58,11 @@ class AlibiForward:
 
     MAX_MASKS = 4  # transformers makes one mask per layer kind (full, sliding, chunked)
 
+    def rows(self, alibi) -> tuple[torch.Tensor | None, int | None]:
+        """``(starts, end)`` for ``alibi``'s layer: this forward's where its bias is placed by them (sinks, a bias
+        rounded per key), else ``(None, None)`` (a plain bias never reads them)."""
+        return (self.starts, self.end) if alibi.sinks or alibi.rounding is not None else (None, None)
+
     def cached(self, key: tuple, attention_mask, build, *args) -> torch.Tensor:
         """The mask this forward made for ``key`` and transformers' mask object, else ``build(*args)``, kept."""
         entry_key = (key, id(attention_mask))

@@ -89,7 +89,7 @@ def _key(alibi, query: torch.Tensor, kv_len: int) -> tuple:
 
 def _merged(forward, alibi, query: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
     dtype, q_len = query.dtype, query.shape[2]
-    starts, end = (forward.starts, forward.end) if alibi.sinks or alibi.rounding is not None else (None, None)
+    starts, end = forward.rows(alibi)
     bias = alibi(q_len, kv_len, query.device, torch.finfo(dtype).min, starts=starts, end=end)  # (1|B, H, q, kv) fp32
     merged = merge_bias_and_mask(bias, attention_mask, dtype)
     if forward.documents is not None:  # a packed row: each query sees its own document (the bias holds causality)

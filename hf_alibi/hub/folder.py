@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoints import CheckpointError, Source, is_local, open_source
+from ..checkpoints import CheckpointError, Source, name_and_place
 from ..core.config import NO_MAXIMUM
 from .saving import finish_folder
 
@@ -87,8 +87,7 @@ def select_companions(paths: list[str], folder: str | os.PathLike) -> list[str]:
 
 def _source(src: str | os.PathLike | Source) -> tuple[Path, list[str]]:
     """A local folder holding SRC's companions, and their names: SRC itself, or a Hub download of only them."""
-    local = src.local if isinstance(src, Source) else is_local(src)
-    src = src.name if isinstance(src, Source) else os.fspath(src)
+    src, local = name_and_place(src)
     if local:
         folder = Path(src).expanduser()
         return folder, companion_files(folder)
@@ -149,11 +148,11 @@ def write_converted(
     ...     write_converted(staging, hf_alibi.patch_model(model), "my-gpt2", tokenizer)
     """
     folder = Path(folder)
-    src = src if isinstance(src, Source) else open_source(src)  # a folder or a Hub id: asked once
     copy_companions(src, folder)
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json, modeling_alibi.py
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)  # over SRC's copies; files it no longer writes stay (vocab.txt, ...)
     lift_length_limits(folder)
     (folder / "README.md").unlink(missing_ok=True)
-    finish_folder(folder, model.config, base_model=None if src.local else src.name, recovery=recovery)
+    name, local = name_and_place(src)  # the jobs hand a Source: nothing asked again
+    finish_folder(folder, model.config, base_model=None if local else name, recovery=recovery)
