@@ -119,6 +119,18 @@ class _RegistersModelClasses:
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        self._register_model_classes()
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled (in another process: vLLM's workers, DataLoader workers), no __post_init__ runs: register there too
+        parent = getattr(super(), "__setstate__", None)
+        if parent is not None:
+            parent(state)
+        else:
+            self.__dict__.update(state)
+        self._register_model_classes()
+
+    def _register_model_classes(self) -> None:
         base_type = type(self).model_type.removeprefix(MODEL_TYPE_PREFIX)
         if base_type not in _CLASSES:
             alibi_classes(base_type)

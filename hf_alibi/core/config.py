@@ -24,6 +24,7 @@ from .compat import (
     stored_output_attentions,
 )
 from .names import (
+    ENGINE_GRANT,
     FOREIGN,
     MODEL_TYPE_PREFIX,
     REFUSED_BACKENDS,
@@ -45,6 +46,7 @@ def _reported_name(stored: str | dict | None) -> str | dict | None:
 
 # stored name -> reported name (a pure function of the name, kept: a dict read instead of four calls)
 _REPORTED: dict[str, str] = {}
+_FOREIGN_NAME = alibi_name(FOREIGN)
 
 # Written in config.json in place of the sizes of the removed position path (GPT-2's n_positions,
 # T5's relative_attention_num_buckets, ...), followed by how to load the checkpoint. The original
@@ -138,6 +140,7 @@ class AlibiConfigMixin(AttnImplementationOverride):
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output.pop("_alibi_removed_fields", None)
+        output.pop(ENGINE_GRANT, None)
         names = self.alibi_removed_fields()
         if names:
             base_type = (self.alibi or {}).get("base_model_type", self.model_type.removeprefix(MODEL_TYPE_PREFIX))
@@ -147,6 +150,8 @@ class AlibiConfigMixin(AttnImplementationOverride):
         return output
 
     def reported_attn_implementation(self, stored):
+        if stored is not None and stored == self.__dict__.get(ENGINE_GRANT):
+            return stored  # the granted engine's own function (it applies the bias): never memoised by name
         if not isinstance(stored, str):
             return _reported_name(stored)
         reported = _REPORTED.get(stored)
@@ -159,11 +164,15 @@ class AlibiConfigMixin(AttnImplementationOverride):
         # every attention layer reads it at every step: a name seen before is answered from the memo in this one call
         stored = self._attn_implementation_internal
         reported = _REPORTED.get(stored) if type(stored) is str else None
-        return reported if reported is not None else self.reported_attn_implementation(stored)
+        if reported is None or reported == _FOREIGN_NAME:  # a granted engine's name is never memoised
+            return self.reported_attn_implementation(stored)
+        return reported
 
     def accepted_attn_implementation(self, value):
         if isinstance(value, dict):
             return value
+        if value is not None and value == self.__dict__.get(ENGINE_GRANT):
+            return value  # stored as it is: reported as it is (reported_attn_implementation)
         check_backend(value)  # another engine's function would run the model without its bias: refused here
         return base_name(value)
 

@@ -28,6 +28,7 @@ from torch import nn
 from .batching import PagedBatch, paged_batch
 from .compat import cache_argument, is_exporting, with_checkpoint_function
 from .mask import attends
+from .names import ENGINE_GRANT
 from .packing import document_starts, is_packed
 
 KEYWORD = "alibi_forward"  # the keyword argument an AlibiForward travels under
@@ -148,8 +149,11 @@ def before_forward(
     """Before a forward of a converted model (or its base): this forward's :class:`AlibiForward`, made from its
     arguments and added to them (``alibi_forward``), with the arguments as the model then takes them (position ids
     dropped, :func:`_read_position_ids`). ``None`` when the arguments already carry one (a task head's forward
-    made it and calls its base): nothing to do."""
+    made it and calls its base), or when the config lets another engine run the model (``names.grant_engine``: its
+    attention function places the bias and each request's tokens, and the position ids reach the model as given)."""
     if kwargs.get(KEYWORD) is not None:
+        return args, kwargs, None
+    if ENGINE_GRANT in getattr(module.config, "__dict__", ()):  # another engine's kernels place the bias (vLLM's)
         return args, kwargs, None
     args, kwargs, documents, paged = _read_position_ids(setup.reads_positions, module, args, kwargs)
     starts = end = None

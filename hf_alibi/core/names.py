@@ -71,6 +71,23 @@ def check_backend(name: str | None) -> None:
     )
 
 
+# Where a config keeps the one other engine allowed to run its model (:func:`grant_engine`); never saved
+ENGINE_GRANT = "_alibi_engine"
+
+
+def grant_engine(config, name: str) -> None:
+    """Let this one config's model run with another engine's attention function ``name`` (vLLM's ``"vllm"``): only
+    the code that has handed that engine's kernels the model's slopes calls this (``hf_alibi.vllm``), so the
+    engine applies the bias itself. Every other config, and this one under any other unknown name, is still refused
+    (:func:`check_backend`). In memory only: ``to_dict`` and config.json never carry it."""
+    config.__dict__[ENGINE_GRANT] = name
+
+
+def granted_engine(config) -> str | None:
+    """The engine :func:`grant_engine` allowed for ``config``, or None."""
+    return getattr(config, "__dict__", {}).get(ENGINE_GRANT)
+
+
 def is_alibi(model_or_config) -> bool:
     """Whether a model was converted by hf_alibi (or loaded from such a checkpoint), or a config is such a model's:
     a model, a ``PretrainedConfig`` or config.json as a dict, with an ``alibi`` field and a model_type

@@ -1,0 +1,49 @@
+"""vLLM serves the decoders hf_alibi converts, with vLLM's own ALiBi kernels (``pip install -e ".[vllm]"``).
+
+vLLM loads this as a general plugin (entry point ``vllm.general_plugins``, :mod:`hf_alibi_vllm`) in each of its
+processes. :func:`register` names every converted architecture (``Alibi<Class>``) in vLLM's model registry:
+
+- a converted causal language model (``Alibi<X>ForCausalLM``) runs as :class:`model.AlibiForCausalLM`, vLLM's
+  Transformers backend with each layer's vLLM ``Attention`` handed that layer's slopes (``alibi_slopes``; each
+  tensor-parallel rank its heads' slice). vLLM's kernels then place the bias in prefill, chunked prefill and decoding
+  over its paged cache, prefix caching included. That class alone lets the model's config answer ``"vllm"``
+  (:func:`hf_alibi.core.names.grant_engine`): reached any other way (``model_impl="transformers"``), a converted
+  model is still refused, since vLLM's attention would then run without the bias;
+- what vLLM's ``alibi_slopes`` cannot carry (:func:`checks.refusal`: sinks, encoders, soft-capped scores, another
+  task than causal language modelling) is refused in one line while vLLM reads the config, before any weight loads;
+- the length marker a converted config holds (no maximum) becomes vLLM's ``--max-model-len``, else its default for
+  a model that states no length (:data:`checks.DEFAULT_MAX_MODEL_LEN`).
+
+The models trained with ALiBi (BLOOM, MPT, Falcon-RW) are vLLM's own classes: nothing here touches them.
+"""
+
+from __future__ import annotations
+
+
+def converted_architectures() -> list[str]:
+    """Every class name a converted checkpoint's config.json can name (``Alibi<Class>`` for each built-in row's
+    transformers classes), sorted.
+
+    >>> "AlibiLlamaForCausalLM" in converted_architectures()
+    True
+    """
+    from ..core.compat import auto_class_names
+    from ..registry import supported_model_types
+
+    return sorted({"Alibi" + name for kind in supported_model_types() for name in auto_class_names(kind).values()})
+
+
+def register() -> None:
+    """vLLM's general plugin: each converted architecture to :data:`MODEL_CLASS`, with :class:`checks.AlibiConfig`
+    as its config hook (refusals and the length). Idempotent: vLLM may call it more than once per process."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from .checks import AlibiConfig
+    from .model import AlibiForCausalLM
+
+    for name in converted_architectures():
+        # the class itself, not "module:class": vLLM inspects a class named by string in a fresh interpreter, which
+        # imports transformers' image code before any plugin could hide what cannot load (hf_alibi_vllm)
+        ModelRegistry.register_model(name, AlibiForCausalLM)
+        MODELS_CONFIG_MAP[name] = AlibiConfig

@@ -1,0 +1,62 @@
+"""A converted causal language model on vLLM's Transformers backend, with vLLM's ALiBi kernels.
+
+vLLM's Transformers backend builds the transformers model from its config (here the converted ``Alibi<X>Model``:
+its rotary answers the identity rotation, its layers carry their :class:`~hf_alibi.core.bias.AlibiBias`), sets the
+attention implementation to ``"vllm"`` and makes one vLLM ``Attention`` per layer. This subclass changes two things:
+the config may answer ``"vllm"`` (granted to this config alone, ``names.grant_engine``: the model's own forward then
+leaves the batch to vLLM), and each layer's ``Attention`` gets that layer's slopes as ``alibi_slopes``, the slice of
+this tensor-parallel rank's heads.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.transformers import TransformersForCausalLM
+from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
+from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_IMPL
+
+from ..core.names import grant_engine
+from ..core.slopes import CAUSAL
+from .checks import check
+
+
+def rank_slopes(slopes: tuple[float, ...], heads: int, rank: int) -> list[float]:
+    """The slopes of tensor-parallel rank ``rank``'s ``heads`` query heads: vLLM gives rank r heads
+    ``r * heads .. (r + 1) * heads - 1`` (its column-parallel query projection splits the heads in order).
+
+    >>> rank_slopes((0.5, 0.25, 0.125, 0.0625), 2, 1)
+    [0.125, 0.0625]
+    """
+    if heads * (rank + 1) > len(slopes):
+        raise ValueError(f"rank {rank} with {heads} heads each needs {heads * (rank + 1)} slopes, the layer has "
+                         f"{len(slopes)}")  # fmt: skip
+    return list(slopes[rank * heads : (rank + 1) * heads])
+
+
+class AlibiForCausalLM(TransformersForCausalLM):
+    """vLLM's ``TransformersForCausalLM`` for a converted checkpoint: each layer's attention with its slopes."""
+
+    def _patch_config(self):
+        check(self.config)  # again here: the engine process may be reached without the config hook
+        grant_engine(self.text_config, VLLM_ATTN_IMPL)
+        super()._patch_config()
+
+    def _get_attn_cls(self):
+        attention = super()._get_attn_cls()
+        if attention is not Attention:  # an encoder's or MLA attention: no ALiBi slopes there
+            raise ValueError(f"hf_alibi: vLLM would run this model with {attention.__name__}, which takes no slopes.")
+        return self._attention_with_slopes
+
+    def _attention_with_slopes(self, *, prefix: str, num_heads: int, **kwargs) -> Attention:
+        # called once per layer by _create_attention_instances, ``prefix`` ending in "<module>.attn"
+        module_name = prefix.removesuffix("." + VLLM_ATTN_ATTR)
+        module = next(
+            (self.get_submodule(name) for name, _ in self.attention_fusers.values() if module_name.endswith(name)),
+            None,
+        )
+        alibi = getattr(module, "alibi", None)
+        if alibi is None or alibi.kind != CAUSAL or alibi.sinks or alibi.rounding is not None:
+            raise ValueError(f"hf_alibi: layer {module_name} has no causal ALiBi bias that vLLM can place.")
+        slopes = rank_slopes(alibi.slope_values, num_heads, get_tensor_model_parallel_rank())
+        return Attention(prefix=prefix, num_heads=num_heads, alibi_slopes=slopes, **kwargs)
