@@ -1,0 +1,26 @@
+"""vLLM's OpenAI-compatible server on a converted folder, run as a file: ``python -m hf_alibi_vllm MODEL [options]``
+(and ``hf-alibi serve MODEL --engine vllm``) start ``python .../hf_alibi_vllm/server.py MODEL [options]``.
+
+As a file, because vLLM starts its engine in processes of its own (``spawn`` on the CPU), and such a process runs
+its parent's main file before anything else, but never a ``__main__`` module of a package: so each of them imports
+:mod:`hf_alibi_vllm` first and what cannot load is hidden before vLLM imports transformers. The server itself is
+vLLM's (``vllm serve``'s api_server entry): every option is vLLM's.
+"""
+
+import sys
+
+import hf_alibi_vllm  # noqa: F401  (first, here and in every process vLLM spawns from this file)
+
+
+def main(argv: list[str]) -> None:
+    """vLLM's api_server entry with ``argv`` (``MODEL`` first, or ``--model MODEL`` among them)."""
+    if argv and not argv[0].startswith("-"):
+        argv = ["--model", argv[0], *argv[1:]]
+    from vllm.entrypoints.launchers.api_server.entry import main as api_server
+
+    sys.argv = ["vllm", *argv]  # its parser reads sys.argv
+    api_server()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
