@@ -9,15 +9,72 @@ processes. :func:`register` names every converted architecture (``Alibi<Class>``
   over its paged cache, prefix caching included. That class alone lets the model's config answer ``"vllm"``
   (:func:`hf_alibi.core.names.grant_engine`): reached any other way (``model_impl="transformers"``), a converted
   model is still refused, since vLLM's attention would then run without the bias;
-- what vLLM's ``alibi_slopes`` cannot carry (:func:`checks.refusal`: sinks, encoders, soft-capped scores, another
-  task than causal language modelling) is refused in one line while vLLM reads the config, before any weight loads;
+- what vLLM's ``alibi_slopes`` cannot carry (:func:`refusal`) is refused in one line while vLLM reads the config,
+  before any weight loads (:class:`checks.AlibiConfig`, vLLM's config hook). vLLM's attention adds
+  ``slope * (key_position - query_position)`` to each causal score (its CPU and GPU kernels alike): the paper's bias,
+  with slopes as converted (the paper's, scaled, given, or fitted per layer and head). What hf_alibi renders beyond
+  that has no place there: sinks (the pretrained preset's bias-exempt first keys), an encoder's bidirectional bias,
+  soft-capped scores (where the bias goes relative to the cap is the kernel's, unchecked), and any task other than
+  causal language modelling;
 - the length marker a converted config holds (no maximum) becomes vLLM's ``--max-model-len``, else its default for
-  a model that states no length (:data:`checks.DEFAULT_MAX_MODEL_LEN`).
+  a model that states no length (:data:`DEFAULT_MAX_MODEL_LEN`).
 
 The models trained with ALiBi (BLOOM, MPT, Falcon-RW) are vLLM's own classes: nothing here touches them.
 """
 
 from __future__ import annotations
+
+from ..core.compat import auto_class_names
+from ..core.names import is_alibi
+
+# vLLM's own default for a model whose config states no length (config/model.py, _get_and_verify_max_len)
+DEFAULT_MAX_MODEL_LEN = 2048
+SERVED = "vLLM serves converted causal language models (the AutoModelForCausalLM class of their type)"
+
+
+def refusal(config) -> str | None:
+    """Why vLLM cannot serve the converted model of ``config`` (a converted ``PretrainedConfig``), in one line, or
+    None where it can."""
+    if not is_alibi(config):
+        return f"{type(config).__name__} is not a converted ALiBi config: {SERVED}."
+    alibi = config.alibi
+    name = (getattr(config, "architectures", None) or [None])[0]  # None: a config made in memory, not saved yet
+    causal_lm = auto_class_names(alibi.get("base_model_type", "")).get("AutoModelForCausalLM")
+    if alibi.get("encoder_variant") is not None or (name is not None and name != f"Alibi{causal_lm}"):
+        return f"{name or type(config).__name__} is not a causal language model: {SERVED}; run it in transformers."
+    name = name or type(config).__name__
+    if alibi.get("sinks"):
+        return (
+            f"{name} was converted with sinks={alibi['sinks']} (its first keys carry no distance penalty), which "
+            "vLLM's alibi_slopes cannot place: run it in transformers (`hf-alibi serve`), or convert it with "
+            "--sinks 0 for vLLM."
+        )
+    if getattr(config, "attn_logit_softcapping", None):
+        return (
+            f"{name} soft-caps its attention scores, and where vLLM's kernels add the ALiBi bias relative to the cap "
+            "is unchecked: run it in transformers (`hf-alibi serve`)."
+        )
+    return None
+
+
+def check(config) -> None:
+    """:func:`refusal` as a one-line ``ValueError``."""
+    reason = refusal(config)
+    if reason is not None:
+        raise ValueError(f"hf_alibi: {reason}")
+
+
+def rank_slopes(slopes: tuple[float, ...], heads: int, rank: int) -> list[float]:
+    """The slopes of tensor-parallel rank ``rank``'s ``heads`` query heads: vLLM gives rank r heads
+    ``r * heads .. (r + 1) * heads - 1`` (its column-parallel query projection splits the heads in order).
+
+    >>> rank_slopes((0.5, 0.25, 0.125, 0.0625), 2, 1)
+    [0.125, 0.0625]
+    """
+    if heads * (rank + 1) > len(slopes):
+        raise ValueError(f"rank {rank} with {heads} heads each needs {heads * (rank + 1)} slopes, the layer has "
+                         f"{len(slopes)}")  # fmt: skip
+    return list(slopes[rank * heads : (rank + 1) * heads])
 
 
 def converted_architectures() -> list[str]:
@@ -27,15 +84,15 @@ def converted_architectures() -> list[str]:
     >>> "AlibiLlamaForCausalLM" in converted_architectures()
     True
     """
-    from ..core.compat import auto_class_names
     from ..registry import supported_model_types
 
     return sorted({"Alibi" + name for kind in supported_model_types() for name in auto_class_names(kind).values()})
 
 
 def register() -> None:
-    """vLLM's general plugin: each converted architecture to :data:`MODEL_CLASS`, with :class:`checks.AlibiConfig`
-    as its config hook (refusals and the length). Idempotent: vLLM may call it more than once per process."""
+    """vLLM's general plugin (through :func:`hf_alibi_vllm.register`): each converted architecture to
+    :class:`model.AlibiForCausalLM`, with :class:`checks.AlibiConfig` as its config hook (refusals and the length).
+    Idempotent: vLLM may call it more than once per process."""
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 

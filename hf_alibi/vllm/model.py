@@ -18,20 +18,7 @@ from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_I
 
 from ..core.names import grant_engine
 from ..core.slopes import CAUSAL
-from .checks import check
-
-
-def rank_slopes(slopes: tuple[float, ...], heads: int, rank: int) -> list[float]:
-    """The slopes of tensor-parallel rank ``rank``'s ``heads`` query heads: vLLM gives rank r heads
-    ``r * heads .. (r + 1) * heads - 1`` (its column-parallel query projection splits the heads in order).
-
-    >>> rank_slopes((0.5, 0.25, 0.125, 0.0625), 2, 1)
-    [0.125, 0.0625]
-    """
-    if heads * (rank + 1) > len(slopes):
-        raise ValueError(f"rank {rank} with {heads} heads each needs {heads * (rank + 1)} slopes, the layer has "
-                         f"{len(slopes)}")  # fmt: skip
-    return list(slopes[rank * heads : (rank + 1) * heads])
+from . import check, rank_slopes
 
 
 class AlibiForCausalLM(TransformersForCausalLM):

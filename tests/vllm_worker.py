@@ -1,0 +1,42 @@
+"""Runs vLLM's offline engine on one folder in a process of its own (the vLLM tests, tests/test_vllm.py):
+``python tests/vllm_worker.py SPEC.json OUT.json``.
+
+SPEC: {"model": folder, "engine": {LLM keyword arguments}, "rounds": [[prompt token ids, ...], ...],
+"max_tokens": n}. Each round is one ``generate`` call (greedy, the chosen token's log-probability), so a second round
+of the same prompts reads vLLM's prefix cache. OUT: per round, per prompt, {"tokens", "logprobs", "cached"}.
+A file, not a function of the test: vLLM's engine processes re-run their parent's main file first, and this one
+imports hf_alibi_vllm before vLLM, as a user's script does.
+"""
+
+import json
+import sys
+
+import hf_alibi_vllm  # noqa: F401  (first: hides what cannot load, here and in every process vLLM spawns)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    llm = LLM(spec["model"], **spec["engine"])
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, logprobs=0)
+    rounds = []
+    for prompts in spec["rounds"]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rounds.append(
+            [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                    "cached": o.num_cached_tokens or 0,
+                }
+                for o in outputs
+            ]
+        )
+    with open(out_path, "w") as f:
+        json.dump(rounds, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
