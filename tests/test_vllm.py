@@ -8,7 +8,7 @@ log-probabilities against hf_alibi's transformers model of the same folder, with
 prefill; its OpenAI server on 127.0.0.1 answering concurrent HTTP requests; the refusals, before any weight loads.
 """
 
-import hf_alibi_vllm  # noqa: F401  (first: where .[vllm] put CUDA builds of torchvision & co, hides them)
+import hf_alibi_vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
 
 # isort: split
 import json
@@ -138,7 +138,7 @@ ENGINE = dict(
     max_num_batched_tokens=64,
     block_size=32,
 )  # fmt: skip  (64: the 200-token prompt is prefilled in chunks)
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+ENV = hf_alibi_vllm.environment({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
 PROMPTS = [
     list(range(1, 8)),
     [(i * 7) % 90 + 1 for i in range(100)],
