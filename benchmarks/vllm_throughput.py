@@ -132,7 +132,8 @@ def main() -> None:
         return serve_arm(*args.serve_arm, args)
 
     # every engine process hides what cannot load beside torch+cpu (hf_alibi_vllm.environment)
-    env = hf_alibi_vllm.environment({**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
+    threads = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = hf_alibi_vllm.environment({**os.environ, **threads})
     passed = _plain(sys.argv[1:])
     with tempfile.TemporaryDirectory() as root:
         folders = save_models(args, root)
