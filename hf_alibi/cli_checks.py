@@ -70,9 +70,9 @@ def check_conversion_values(args: argparse.Namespace) -> None:
         )
     row = builtin_row(config.get("model_type"))
     if args.encoder_variant is not None and row is not None and not row.bidirectional:
-        raise CliError(
-            f"{flag('encoder_variant')} applies to bidirectional attention only; {row.model_type} is decoder-only, "
-            f"its self-attention is causal. Leave {flag('encoder_variant')} out."
+        raise CliError(  # plan_conversion's words (the job said them before this check came first)
+            f"encoder_variant={args.encoder_variant!r} applies to bidirectional attention only; {row.model_type} is "
+            "decoder-only, its self-attention is causal. Omit encoder_variant."
         )
     # the explicit values, the others at the paper's (a preset's apply only where they fit: always valid)
     values = {
