@@ -189,6 +189,7 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
     if base is not model:  # a direct call of the base; first: the rows are read from the 2D padding mask
         hook_base(base, setup, first=True)
+        base.register_forward_pre_hook(_record_base_attentions, with_kwargs=True)  # after hook_base made the forward
     if config._attn_implementation in (None, "eager") and not config.output_attentions:
         config._attn_implementation_internal = "sdpa"
     return model
@@ -299,9 +300,8 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         def prepare(forward, args, kwargs):
             if forward is not None and forward.paged is not None:
                 kwargs = without_paged_cache(kwargs)
-            if forward is not None:  # MPT's blocks do not tell their attention: it reads this forward's
-                wanted = bound_arguments(self, args, kwargs).get("output_attentions")
-                forward.attentions = bool(self.config.output_attentions if wanted is None else wanted)
+            if forward is not None:
+                record_attentions(self, forward, args, kwargs)
             if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
                 args, kwargs = boolean_causal_mask(self, args, kwargs)
             return args, kwargs
@@ -345,6 +345,20 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         },
     )
     return cls
+
+
+def record_attentions(model: nn.Module, forward, args: tuple, kwargs: dict) -> None:
+    """Whether the call of ``model`` (the model or its base) asks for attention weights (its ``output_attentions``,
+    else its config's), recorded on its :class:`~hf_alibi.core.forward.AlibiForward`: MPT's blocks do not tell their
+    attention, which reads it there."""
+    wanted = bound_arguments(model, args, kwargs).get("output_attentions")
+    forward.attentions = bool(model.config.output_attentions if wanted is None else wanted)
+
+
+def _record_base_attentions(base: nn.Module, args: tuple, kwargs: dict) -> None:
+    # a base model called directly (past its task head): its pre-hook put the forward in its keyword arguments
+    if (forward := kwargs.get(KEYWORD)) is not None:
+        record_attentions(base, forward, args, kwargs)
 
 
 # transformers' flag on a model class for each backend with an ALiBi path (eager: every model)

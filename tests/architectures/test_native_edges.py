@@ -73,6 +73,11 @@ def test_attention_weights_on_the_default_backend_equal_transformers_eager(case)
     for g, e in zip(got.attentions, expected.attentions):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
     torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=2e-5)
+    with torch.no_grad():  # the base model called directly, past its task head
+        expected = case.reference(original, 12).base_model(ids, output_attentions=True).attentions
+        got = model.base_model(ids, output_attentions=True).attentions
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
     assert model.config._attn_implementation == "sdpa"  # only those calls ran on eager
 
 
