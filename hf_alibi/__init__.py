@@ -4,6 +4,13 @@ Importing registers hf_alibi's attention functions and model types with transfor
 only); it never patches anything. Converting is explicit: :func:`patch_model`.
 """
 
+import sys
+
+if sys.argv[:1] == ["-m"]:  # `python -m hf_alibi` imports this first: its help and errors answer before torch
+    from hf_alibi_cli import answer_module_run
+
+    answer_module_run(__name__)
+
 from . import models  # noqa: F401  (the home of the Alibi<Class> classes; transformers reads it by name)
 from .core.architectures import Architecture
 from .core.bias import AlibiBias, set_attention_path

@@ -12,6 +12,7 @@ slopes, and whether the bias is added before the scaling (Falcon), which scales 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
+from .core.config import rebind_config
 from .core.flash import flash_refusal
 from .core.forward import (
     KEYWORD,
@@ -38,7 +40,7 @@ from .core.forward import (
     hook_base,
 )
 from .core.mask import attends
-from .core.names import alibi_name, check_backend
+from .core.names import RUNNING_BACKENDS, alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
 from .core.strategies import find_modules
 
@@ -109,7 +111,8 @@ def native_slopes(row: NativeArchitecture, config, scaling: float) -> list[float
     else:
         slopes = get_slopes_list(heads)
     if row.slope_dtype is not None:  # Falcon rounds its slopes to bf16 (exact for 8 or fewer heads, not for 32)
-        slopes = torch.tensor(slopes).to(getattr(torch, row.slope_dtype)).double().tolist()
+        # on the CPU whatever the default device: under `with torch.device("meta")` a tensor holds no values to read
+        slopes = torch.tensor(slopes, device="cpu").to(getattr(torch, row.slope_dtype)).double().tolist()
     return [s * scaling for s in slopes] if row.bias_before_scaling else slopes
 
 
@@ -153,11 +156,16 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     :func:`check_native`; ``hf_alibi.patch_model`` calls this for the native rows).
 
     Every weight and the config's type stay; the model switches from transformers' eager attention to ``sdpa``
-    (hf_alibi's fold: no L x L tensor), unless it is set to return attention weights.
+    (hf_alibi's fold: no L x L tensor), unless it is set to return attention weights; a call that asks for them
+    (``output_attentions=True``) runs on eager with the bias, as transformers' own code of these models. The model
+    gets its own copy of its config (as a converted model does): the caller's config object is not changed, so a
+    model built from it afterwards is transformers' own.
 
     >>> model = hf_alibi.patch_model(BloomForCausalLM(BloomConfig(n_layer=2, n_head=4)))  # doctest: +SKIP
     """
     check_native(model, row)
+    config = copy.deepcopy(model.config)  # the backend is set below: on the model's own copy, not the caller's
+    rebind_config(model, model.config, config)
     base = model.base_model
     attentions = [attention for _, _, attention in find_modules(base, row.attention)]
     shared = SharedByLayers()
@@ -181,7 +189,7 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
         base.register_forward_pre_hook(boolean_causal_mask, with_kwargs=True)
     if base is not model:  # a direct call of the base; first: the rows are read from the 2D padding mask
         hook_base(base, setup, first=True)
-    config = model.config
+        base.register_forward_pre_hook(_record_base_attentions, with_kwargs=True)  # after hook_base made the forward
     if config._attn_implementation in (None, "eager") and not config.output_attentions:
         config._attn_implementation_internal = "sdpa"
     return model
@@ -199,10 +207,14 @@ class NativeAlibiAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         row = self._native_row
         values = {**dict(zip(self._native_arguments, args)), **kwargs}
+        forward = forward_of(self.alibi, values)  # the model's blocks pass no keyword arguments: the running one
+        backend = self.config._attn_implementation
+        if backend != "eager" and (values.get("output_attentions") or forward.attentions):
+            backend = "eager"  # as transformers' own code of these models: the weights are asked for, eager has them
         mask = values.get("attention_mask")
         if row.boolean_mask and is_causal_mark(mask):
             mask = None  # causality is all that masks: the backends' causal case (the fold's fastest form)
-        elif row.boolean_mask and mask is not None and self.config._attn_implementation.startswith("flash"):
+        elif row.boolean_mask and mask is not None and backend.startswith("flash"):
             mask = mask[:, 0, -1, :]  # flash-attn takes the 2D padding mask: the boolean one's last query's row
         batch, length, _ = hidden_states.shape
         heads, head_dim = self.alibi.num_heads, self.head_dim
@@ -218,7 +230,6 @@ class NativeAlibiAttention(nn.Module):
                 part.reshape(batch, length, heads, head_dim).transpose(1, 2) for part in fused.chunk(3, dim=-1)
             )
         arguments = {}
-        forward = forward_of(self.alibi, values)  # the model's blocks pass no keyword arguments: the running one
         paged = forward.paged
         if paged is not None:  # a continuous-batching step: the model's forward ran without the paged cache
             key, value, arguments = paged.update(key, value, self.layer_idx)
@@ -227,7 +238,7 @@ class NativeAlibiAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
         dropout = getattr(self, row.dropout)
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
-        attention = ALL_ATTENTION_FUNCTIONS[alibi_name(self.config._attn_implementation)]
+        attention = ALL_ATTENTION_FUNCTIONS[alibi_name(backend)]
         output, weights = attention(
             self, query, key, value, mask,
             scaling=float(getattr(self, row.scaling)), dropout=dropout if self.training else 0.0, **arguments,
@@ -289,6 +300,8 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         def prepare(forward, args, kwargs):
             if forward is not None and forward.paged is not None:
                 kwargs = without_paged_cache(kwargs)
+            if forward is not None:
+                record_attentions(self, forward, args, kwargs)
             if row.boolean_mask and self.base_model is self:  # else the base's pre-hook does it
                 args, kwargs = boolean_causal_mask(self, args, kwargs)
             return args, kwargs
@@ -299,7 +312,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
             if isinstance(name, str):
-                check_backend(name)
+                check_backend(name, what_runs(self))
                 if name.startswith("flash"):  # before the model is switched: what the kernel would refuse
                     reason = flash_refusal(next(m for m in self.modules() if isinstance(m, AlibiBias)))
                     if reason is not None:
@@ -307,7 +320,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
-        # generate_batch, its context manager and `transformers serve --continuous-batching` start here: the manager
+        # generate_batch, its context manager and transformers serve's continuous batching start here: the manager
         # that keeps the backend (sdpa or eager) and runs the bias through the paged cache (batching.py)
         return make_manager(self, generation_config, continuous_batching_config, workload_hints)
 
@@ -332,6 +345,40 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         },
     )
     return cls
+
+
+def record_attentions(model: nn.Module, forward, args: tuple, kwargs: dict) -> None:
+    """Whether the call of ``model`` (the model or its base) asks for attention weights (its ``output_attentions``,
+    else its config's), recorded on its :class:`~hf_alibi.core.forward.AlibiForward`: MPT's blocks do not tell their
+    attention, which reads it there."""
+    wanted = bound_arguments(model, args, kwargs).get("output_attentions")
+    forward.attentions = bool(model.config.output_attentions if wanted is None else wanted)
+
+
+def _record_base_attentions(base: nn.Module, args: tuple, kwargs: dict) -> None:
+    # a base model called directly (past its task head): its pre-hook put the forward in its keyword arguments
+    if (forward := kwargs.get(KEYWORD)) is not None:
+        record_attentions(base, forward, args, kwargs)
+
+
+# transformers' flag on a model class for each backend with an ALiBi path (eager: every model)
+_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+}
+
+
+def what_runs(model: PreTrainedModel) -> str:
+    """What a patched native ``model`` runs with, from the flags its class sets (Falcon's rounded bias: no flash), as
+    the end of :func:`~hf_alibi.core.names.check_backend`'s refusal."""
+    backends = [
+        name for name in RUNNING_BACKENDS if name not in _SUPPORT_FLAGS or getattr(model, _SUPPORT_FLAGS[name])
+    ]
+    return (
+        f"this {model._native_row.model_type} model (trained with ALiBi, run on hf_alibi's attention by patch_model) "
+        f"runs with attn_implementation {', '.join(repr(name) for name in backends)}"
+    )
 
 
 def without_paged_cache(kwargs: dict) -> dict:

@@ -4,8 +4,10 @@
 transformers: seconds before anything is printed. Parsing a command line needs neither. So this loads the folder of
 the installed ``hf_alibi`` package under a private name whose ``__init__`` is never run, and calls ``cli.main`` from
 there: ``cli.py`` imports only the standard library and hf_alibi's modules that import neither at module level, answers
-``--help``, ``--version`` and every error about arguments or paths at once, and imports ``hf_alibi`` itself when a
-job runs (``hf_alibi.cli.run``). ``python -m hf_alibi`` is the same command, after the package's import.
+``--help``, ``--version`` and every error that needs no model at once, and imports ``hf_alibi`` itself when a
+job runs (``hf_alibi.cli.run``). ``python -m hf_alibi`` is the same command: Python imports the package before its
+``__main__``, so ``hf_alibi/__init__.py`` first hands the command line to :func:`answer_module_run`, which answers
+the same way before torch loads.
 """
 
 from __future__ import annotations
@@ -32,6 +34,26 @@ def _front_cli() -> types.ModuleType:
     return importlib.import_module(f"{FRONT}.cli")
 
 
+_ANSWERED: list[tuple] = []  # `python -m hf_alibi`: the command line answer_module_run checked, for main
+
+
 def main(argv: list[str] | None = None) -> int:
     """``hf-alibi``: see :mod:`hf_alibi.cli`."""
-    return _front_cli().main(argv)
+    cli = _front_cli()
+    parser, parsed = _ANSWERED.pop() if _ANSWERED and argv is None else cli.answer(argv)
+    return cli.run_job(parser, parsed)
+
+
+def answer_module_run(package: str) -> None:
+    """When Python runs ``python -m <package>`` (and is importing the package first): the command line's answers
+    that need no model (the help, the version, its errors: each exits), before the package imports torch. A
+    command line that runs a job is kept for :func:`main`, which ``<package>/__main__.py`` calls next."""
+    if sys.argv[:1] != ["-m"]:  # Python sets argv[0] to "-m" while it imports what -m names
+        return
+    arguments = getattr(sys, "orig_argv", [])  # the interpreter's own: python [options] -m MODULE [arguments]
+    first = next((i for i, a in enumerate(arguments) if i and a.startswith("-m")), None)
+    if first is None:
+        return
+    module = arguments[first][2:] or (arguments[first + 1] if first + 1 < len(arguments) else "")
+    if module == package:
+        _ANSWERED.append(_front_cli().answer(sys.argv[1:]))

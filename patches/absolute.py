@@ -1,6 +1,7 @@
 """Learned absolute position tables, replaced by a zero (strategy ``"absolute"``)."""
 
-from hf_alibi.core.architectures import Architecture
+# relative: the command line reads these rows from hf_alibi's folder without importing the package (torch)
+from ..core.architectures import Architecture
 
 _BERT = dict(
     position=("embeddings.position_embeddings",), attention=("encoder.layer.*.attention.self",), bidirectional=True

@@ -1,6 +1,7 @@
 """Learned relative position biases, removed (strategy ``"relative"``)."""
 
-from hf_alibi.core.architectures import Architecture
+# relative: the command line reads these rows from hf_alibi's folder without importing the package (torch)
+from ..core.architectures import Architecture
 
 ROWS: list[Architecture] = [
     Architecture(

@@ -9,7 +9,8 @@ glm, glm4, nemotron), layers without rotary (smollm3) and mixture-of-experts MLP
 qwen2_moe, qwen3_moe, granitemoe).
 """
 
-from hf_alibi.core.architectures import Architecture
+# relative: the command line reads these rows from hf_alibi's folder without importing the package (torch)
+from ..core.architectures import Architecture
 
 # Llama's layout (the row's defaults): ``rotary_emb`` on the base model, ``layers.*.self_attn``.
 LLAMA_LAYOUT = (

@@ -165,7 +165,7 @@ def test_convert_with_encoder_variant_for_a_decoder_only_model_is_refused(tmp_pa
     code, _, err = run_cli("convert", src, tmp_path / "out", "--encoder-variant", "learned", capsys=capsys)
     assert code == 2 and "decoder-only" in err
     code, _, err = run_cli("convert", src, tmp_path / "out", "--heads", "3", capsys=capsys)
-    assert code == 2 and "heads=3" in err
+    assert code == 2 and "--heads 3 does not match SRC's 4 attention heads" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -258,9 +258,9 @@ def no_loading(monkeypatch):
     [
         (("--heads", "0"), "argument --heads: invalid positive integer value: '0'"),
         (("--heads", "x"), "argument --heads: invalid positive integer value: 'x'"),
-        (("--heads", "3"), "heads=3 does not match the model's 4 attention heads"),
+        (("--heads", "3"), "--heads 3 does not match SRC's 4 attention heads"),
         (("--encoder-variant", "learned"), "applies to bidirectional attention only"),
-        (("--encoder-variant", "sideways"), "argument --encoder-variant: invalid choice: 'sideways'"),
+        (("--encoder-variant", "sideways"), "argument --encoder-variant/--encoder_variant: invalid choice"),
         (("--preset", "fast"), "argument --preset: invalid choice: 'fast'"),
         (("--sinks", "-1"), "sinks must be an integer >= 0"),
         (("--sinks", "two"), "argument --sinks: invalid int value: 'two'"),

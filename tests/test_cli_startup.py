@@ -37,7 +37,7 @@ def folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("startup")
     src = root / "src"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_head": 4}))
     full = root / "full"
     full.mkdir()
     (full / "keep.txt").write_text("a user's file")
@@ -105,3 +105,49 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
         assert result["heavy"] == [], (argv, result["heavy"])
     assert (Path(folders["full"]) / "keep.txt").read_text() == "a user's file"
     assert not (tmp_path / "a").exists()
+
+
+def test_value_errors_come_before_the_library(folders, tmp_path):
+    """The conversion options' values, checked as the library checks them (from SRC's config.json and its row),
+    and serve's port: in the parser's form, exit 2, torch not imported (issue 44)."""
+    out = str(tmp_path / "a")
+    convert = ["convert", folders["src"], out]
+    cases = [
+        ([*convert, "--sinks", "-1"], "sinks must be an integer >= 0"),
+        ([*convert, "--heads", "3"], "--heads 3 does not match SRC's 4 attention heads"),
+        ([*convert, "--slopes", "1,2"], "slopes must list one slope per head: 4 numbers, got 2"),
+        ([*convert, "--slopes", "0.5,0.25,0.1,-1"], "slopes must be finite numbers > 0"),
+        ([*convert, "--slope-scale", "0.5", "--slopes", "1,1,1,1"], "either slopes or slope_scale"),
+        ([*convert, "--rotary-max-wavelength", "100"], "rotary_max_wavelength applies to rotary models only"),
+        ([*convert, "--table-max-wavelength", "1"], "table_max_wavelength must be a number >= 2"),
+        ([*convert, "--encoder-variant", "symmetric"], "applies to bidirectional attention only"),
+        (["serve", folders["src"], "--port", "abc"], "argument --port: invalid port 'abc'"),
+        (["serve", folders["src"], "--port=70000"], "argument --port: invalid port '70000'"),
+    ]
+    results = _run([argv for argv, _ in cases])
+    for (argv, message), result in zip(cases, results):
+        assert result["code"] == 2, (argv, result)
+        lines = result["err"].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hf-alibi: error:") and message in lines[0], (argv, result)
+        assert result["heavy"] == [], (argv, result["heavy"])
+    assert not (tmp_path / "a").exists()
+
+
+def test_python_m_hf_alibi_answers_before_torch(folders, tmp_path):
+    """``python -m hf_alibi`` imports the package before its __main__: help and errors still come first."""
+    for argv, code, text in [
+        (["--help"], 0, "usage: hf-alibi"),
+        (["convert", folders["src"], str(tmp_path / "a"), "--sinks", "-1"], 2, "hf-alibi: error: sinks must be"),
+        (["convert", "no-such-folder/x/y", str(tmp_path / "a")], 2, "hf-alibi: error: SRC 'no-such-folder/x/y'"),
+    ]:
+        child = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "hf_alibi", *argv],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+        )  # fmt: skip
+        assert child.returncode == code, (argv, child.stderr[-2000:])
+        answer = child.stdout if code == 0 else child.stderr
+        assert text in answer, (argv, answer[-2000:])
+        # -X importtime writes "import time: self | cumulative | module" for each module imported
+        imported = {line.rsplit("|", 1)[-1].strip() for line in child.stderr.splitlines() if "import time:" in line}
+        assert not imported & {"torch", "transformers"}, argv
+        assert "hf_alibi_cli" in imported  # the front route was taken (a sanity check of the reading above)

@@ -15,8 +15,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .strategies import STRATEGIES
-
 
 @dataclass(frozen=True)
 class Architecture:
@@ -90,6 +88,9 @@ def find_architecture(model_type: str) -> Architecture | None:
 
 
 def check_strategy(row: Architecture) -> None:
+    # imported here: the rows are plain data that the command line reads before torch loads (strategies.py's does)
+    from .strategies import STRATEGIES
+
     if row.strategy not in STRATEGIES:
         raise ValueError(
             f"Architecture {row.model_type!r} names strategy {row.strategy!r}; known: {sorted(STRATEGIES)}."

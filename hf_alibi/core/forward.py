@@ -56,6 +56,7 @@ class AlibiForward:
     outer: object = field(default=None, repr=False)  # the forward running around this one (nested forwards)
     entered_by: object = field(default=None, repr=False)  # the module whose forward put it in the context
     shared: object = field(default=None, repr=False)  # that model's SharedByLayers
+    attentions: bool = False  # the caller asked for attention weights (native.py runs such a forward on eager)
 
     MAX_MASKS = 4  # transformers makes one mask per layer kind (full, sliding, chunked)
 

@@ -55,9 +55,10 @@ def base_name(name: str | None) -> str | None:
     return name.removeprefix(REMOTE_PREFIX).removeprefix(LIBRARY_PREFIX)
 
 
-def check_backend(name: str | None) -> None:
+def check_backend(name: str | None, what_runs: str = WHAT_RUNS) -> None:
     """One-line ``ValueError`` for an attention implementation with no ALiBi path (another engine's function, a
-    hub kernel, a future backend): it would run the model without its position bias.
+    hub kernel, a future backend): it would run the model without its position bias. ``what_runs`` ends the message
+    (default: what a converted model runs with; a model trained with ALiBi says its own, ``hf_alibi.native``).
 
     >>> check_backend("vllm")  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
@@ -67,7 +68,7 @@ def check_backend(name: str | None) -> None:
         return
     raise ValueError(
         f"This ALiBi model cannot run with attn_implementation={base_name(name)!r}: hf_alibi has no ALiBi path for "
-        f"it, and without one it would run without its position bias. Instead, {WHAT_RUNS}."
+        f"it, and without one it would run without its position bias. Instead, {what_runs}."
     )
 
 
@@ -91,7 +92,9 @@ def granted_engine(config) -> str | None:
 def is_alibi(model_or_config) -> bool:
     """Whether a model was converted by hf_alibi (or loaded from such a checkpoint), or a config is such a model's:
     a model, a ``PretrainedConfig`` or config.json as a dict, with an ``alibi`` field and a model_type
-    ``alibi_<type>``. The one rule. A model trained with ALiBi (BLOOM, MPT, Falcon-RW) keeps its own format: False.
+    ``alibi_<type>``. The one rule. It answers "was this converted", not "does this model use ALiBi": a model trained
+    with ALiBi (BLOOM, MPT, Falcon-RW) keeps its own format and config, patched or not, so it is False for one; whether
+    such a model runs on hf_alibi's attention (``patch_model`` was called on it) is ``hf_alibi.native.is_native``.
 
     >>> is_alibi({"model_type": "alibi_gpt2", "alibi": {"heads": 12}}), is_alibi({"model_type": "gpt2"})
     (True, False)

@@ -1,0 +1,172 @@
+"""The ``hf-alibi`` command line's checks that need no model: paths, text files, upload flags, the conversion
+options' values (against SRC's config.json and its architecture row), ``serve``'s port.
+
+They run before the library is imported, so that every error a user can cause answers at once; the jobs check the
+same again (they are library functions too). Imports only the standard library and hf_alibi's modules that import
+neither torch nor transformers (tests/test_cli_startup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .checkpoints import check_output, check_source, is_hub_id, is_local
+from .cli_parser import flag
+from .core.settings import check_pretrained_options, conversion_options
+from .gguf import check_output_file
+from .recover.settings import settings_from_flags
+
+OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
+# config.json's names of the head count (transformers' attribute_map aliases of num_attention_heads)
+HEAD_FIELDS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+# the patches modules of the converted rows (hf_alibi.patches; native.py's rows import the native code, torch)
+_ROW_MODULES = ("absolute", "relative", "rotary")
+
+
+class CliError(Exception):
+    """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """The checks of a parsed command line that need no model, so that their errors come at once: SRC a folder or
+    a Hub id (the offline cache too), OUT writable, the text files there, the upload flags, the option values."""
+    if args.command in ("convert", "recover", "info"):
+        check_source(args.path if args.command == "info" else args.src, "PATH" if args.command == "info" else "SRC")
+    if args.command in ("convert", "recover"):
+        check_output(args.src, args.out, args.overwrite)
+    if args.command == "convert":
+        _check_push_arguments(args)
+        _check_file(fit_file(args), "fit_text")
+        check_conversion_values(args)
+    if args.command == "recover":
+        _check_file(args.train_file, "train_file")
+        _check_file(args.validation_file, "validation_file")
+        try:  # each setting's own check (those that need the model's config: the job's, before it loads)
+            settings_from_flags(args)
+        except ValueError as error:
+            raise CliError(str(error)) from None
+    if args.command == "export-gguf":
+        check_source(args.src)
+        check_output_file(args.out, args.overwrite)
+
+
+def check_conversion_values(args: argparse.Namespace) -> None:
+    """``convert``'s heads and options checked as :func:`hf_alibi.plan_conversion` checks them, from SRC's
+    config.json read as JSON (a folder here; a Hub id is the job's): the head count, each option's own check
+    (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it applies (the type's row)."""
+    config = _local_config(args.src)
+    heads = config_heads(config)
+    if args.heads is not None and heads is not None and args.heads != heads:
+        raise CliError(
+            f"{flag('heads')} {args.heads} does not match SRC's {heads} attention heads (its config.json); ALiBi "
+            f"needs one slope per head. Pass {flag('heads')} {heads} or leave it out."
+        )
+    row = builtin_row(config.get("model_type"))
+    if args.encoder_variant is not None and row is not None and not row.bidirectional:
+        raise CliError(  # plan_conversion's words (the job said them before this check came first)
+            f"encoder_variant={args.encoder_variant!r} applies to bidirectional attention only; {row.model_type} is "
+            "decoder-only, its self-attention is causal. Omit encoder_variant."
+        )
+    # the explicit values, the others at the paper's (a preset's apply only where they fit: always valid)
+    values = {
+        f.name: f.default if getattr(args, f.name) is None else getattr(args, f.name) for f in conversion_options()
+    }
+    if values["table_max_wavelength"] == 0:
+        values["table_max_wavelength"] = None  # 0: the table goes (as resolve_options reads it)
+    if row is not None:  # where the declaration says an option applies by the model's config (sinks: one mask)
+        fields = SimpleNamespace(**config)  # config.json's fields, as the declarations read a config's
+        for option in conversion_options():
+            applies, value = option.metadata["applies"], values[option.name]
+            if option.metadata["refusal"] is None and applies and value != option.default and not applies(row, fields):
+                pair = (
+                    " (an encoder-decoder: its two stacks are padded apart)"
+                    if config.get("is_encoder_decoder")
+                    else ""
+                )
+                raise CliError(
+                    f"{flag(option.name)} {value} does not apply to SRC's {row.model_type} model{pair}; leave it out."
+                )
+    slopes = values["slopes"]
+    count = args.heads or heads or (len(slopes) if slopes else 1)  # unknown here: the job counts them
+    try:
+        check_pretrained_options(count, architecture=None if row is None else row.to_dict(), **values)
+    except ValueError as error:
+        raise CliError(f"{error} Nothing converted.") from None
+
+
+def config_heads(config: dict[str, Any]) -> int | None:
+    """The attention head count a config.json (as a dict) gives, under any of transformers' names for it, else
+    ``None``."""
+    return next((config[name] for name in HEAD_FIELDS if isinstance(config.get(name), int)), None)
+
+
+def _local_config(src: str) -> dict[str, Any]:
+    """SRC's config.json as JSON when SRC is a folder here (:func:`check_source` read it), else ``{}``."""
+    if not is_local(src):
+        return {}
+    return json.loads((Path(src).expanduser() / "config.json").read_text())
+
+
+def builtin_row(model_type: str | None):
+    """The built-in architecture row of ``model_type`` (hf_alibi.patches: plain data, read without torch), or
+    ``None`` (not a converted type: the job says what it is)."""
+    package = __name__.rpartition(".")[0]  # hf_alibi, or the command line's copy of its folder (hf_alibi_cli)
+    for name in _ROW_MODULES:
+        for row in importlib.import_module(f"{package}.patches.{name}").ROWS:
+            if row.model_type == model_type:
+                return row
+    return None
+
+
+def _check_push_arguments(args) -> None:
+    if args.push_to_hub is None:
+        upload_flags = (("private", args.private), ("commit_message", args.commit_message))
+        given = [flag(name) for name, value in upload_flags if value]
+        if given:
+            raise CliError(f"{' and '.join(given)} apply to the upload only: pass {flag('push_to_hub')} REPO_ID too.")
+    elif not is_hub_id(args.push_to_hub):
+        raise CliError(
+            f"{flag('push_to_hub')} {args.push_to_hub!r} is not a valid Hub repo id (name or user/name); nothing "
+            "converted."
+        )
+
+
+def fit_file(args: argparse.Namespace) -> str | None:
+    """The text convert's ``fit_slopes`` fits on (its ``fit_text`` flag; the old form, a text given to ``fit_slopes``
+    itself, too, with a note on stderr), else ``None``; a ``CliError`` for ``fit_slopes`` without a text."""
+    fit, text = flag("fit_slopes"), flag("fit_text")
+    if isinstance(args.fit_slopes, str):
+        if args.fit_text is not None:
+            raise CliError(f"{fit} TEXT_FILE and {text} both name a text: keep {text}.")
+        print(
+            f"hf-alibi: note: {fit} TEXT_FILE is now {fit} {text} TEXT_FILE (as in `recover`, {fit} is a switch); "
+            "the old form goes in the next release.",
+            file=sys.stderr,
+        )
+        args.fit_slopes, args.fit_text = True, args.fit_slopes  # read as the new form from here on: one note
+    if args.fit_slopes and args.fit_text is None:
+        raise CliError(f"{fit} fits on a text, and convert has no training text: add {text} TEXT_FILE.")
+    return args.fit_text
+
+
+def _check_file(path: str | None, name: str) -> None:
+    if path is not None and not os.path.isfile(path):
+        raise CliError(f"{flag(name)} {path!r} is not a file: pass the path of a text file.")
+
+
+def check_serve_arguments(argv: list[str]) -> None:
+    """``hf-alibi serve MODEL ...``'s options that this command answers in its own form before `transformers
+    serve` parses them (with the library loaded): the port, a number from 0 to 65535."""
+    name = flag("port")
+    for index, argument in enumerate(argv):
+        if argument == name or argument.startswith(name + "="):
+            value = argument.partition("=")[2] if "=" in argument else (argv[index + 1 : index + 2] or [""])[0]
+            if not (value.isdigit() and int(value) <= 65535):
+                raise CliError(f"argument {name}: invalid port {value!r}: give a number from 0 to 65535.")

@@ -1,0 +1,147 @@
+"""The ``hf-alibi`` command line's parser: every command's flags, each declared once.
+
+``recover``'s flags come from :class:`~hf_alibi.recover.settings.RecoverySettings`, the conversion options' from
+:class:`~hf_alibi.core.settings.AlibiSettings`; ``convert``'s own flags are declared here (:data:`CONVERT_FLAGS`),
+and every flag is spelled by :func:`~hf_alibi.core.settings.flag_spellings` from its name.
+
+Imports only the standard library and hf_alibi's modules that import neither torch nor transformers: ``hf-alibi``
+builds this parser before the library is imported (hf_alibi_cli, tests/test_cli_startup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from .core.names import ENCODER_VARIANTS
+from .core.settings import conversion_options, flag_spellings, presets
+from .core.version import __version__
+from .gguf import OUTTYPES
+from .recover.settings import add_setting_flags
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (``hf-alibi: error: ...``, naming the command's help) and exit status 2,
+    like the other errors (argparse would print its usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")
+
+
+def flag(name: str) -> str:
+    """How the command line spells the setting ``name`` in messages (its first spelling, dashed).
+
+    >>> flag("fit_text") == flag_spellings("fit_text")[0]
+    True
+    """
+    return flag_spellings(name)[0]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # what argparse calls a bad value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command's flag: the setting it names (its ``dest``; spelled by ``flag_spellings``: dashed, also with
+    underscores) and ``argparse.add_argument``'s keywords."""
+
+    name: str
+    help: str
+    keywords: dict[str, Any] = field(default_factory=dict)
+
+
+def _option_flags() -> tuple[Flag, ...]:
+    """The conversion options as flags, from their declarations (``AlibiSettings``)."""
+    return tuple(
+        Flag(o.name, o.metadata["flag_help"], {"type": o.metadata["parse"], "default": None})
+        for o in conversion_options()
+    )
+
+
+_SWITCH = {"action": "store_true", "default": False}
+# convert's flags, in the help's order. fit_slopes is a switch, as in `recover` (which fits on its training text);
+# convert reads fit_text. The old form, a text given to fit_slopes itself, still parses (with a note) for one release
+CONVERT_FLAGS: tuple[Flag, ...] = (
+    Flag("heads", "number of heads (must match; checked)", {"type": positive_int}),
+    Flag("encoder_variant", "bidirectional bias (default symmetric)", {"choices": ENCODER_VARIANTS}),
+    Flag("preset", "pretrained: keep more of what a pretrained model knew", {"choices": sorted(presets())}),
+    *_option_flags(),
+    Flag(
+        "fit_slopes",
+        f"fit the slopes per layer and head on {flag('fit_text')} (hf_alibi.fit_slopes; instead of {flag('slopes')})",
+        {"nargs": "?", "const": True, "metavar": "TEXT_FILE"},
+    ),
+    Flag("fit_text", f"{flag('fit_slopes')}: the text to fit on", {"metavar": "TEXT_FILE"}),
+    Flag("fit_scale", f"{flag('fit_slopes')}: C in C / mean distance (default: fit_slopes')", {"type": float}),
+    Flag("fit_tokens", f"{flag('fit_slopes')}: tokens of the text used", {"type": int, "default": 1024}),
+    Flag("overwrite", "replace OUT if it exists", _SWITCH),
+    Flag("push_to_hub", "then upload OUT to this Hub repo", {"metavar": "REPO_ID"}),
+    Flag("private", "create the Hub repo private", _SWITCH),
+    Flag("commit_message", "commit message of the upload"),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
+    for declared in flags:
+        keywords = {"default": None, **declared.keywords}
+        parser.add_argument(*flag_spellings(declared.name), dest=declared.name, help=declared.help, **keywords)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The conversion options as flags (slope_scale: dashed, also with underscores), from their declarations."""
+    add_flags(parser, _option_flags())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
+    parser.add_argument("--version", action="version", version=f"hf-alibi {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    conv = commands.add_parser("convert", help="convert a checkpoint (folder or Hub id) to ALiBi")
+    conv.add_argument("src", metavar="SRC", help="checkpoint folder or Hub id; only read")
+    conv.add_argument("out", metavar="OUT", help="folder to write the ALiBi checkpoint to")
+    add_flags(conv, CONVERT_FLAGS)
+
+    rec = commands.add_parser(
+        "recover",
+        help="convert a checkpoint and recover it by self-distillation from the original on your text",
+        description="Load SRC, convert a copy to ALiBi, train it to give SRC's outputs on your unlabeled text "
+        "at the original length (KL of next-token distributions for causal LMs, hidden states for encoders), "
+        "and write OUT as a converted checkpoint. See hf_alibi.recover.",
+    )
+    rec.add_argument("src", metavar="SRC", help="the original checkpoint (folder or Hub id, with a tokenizer)")
+    rec.add_argument("out", metavar="OUT", help="folder to write the recovered ALiBi checkpoint to")
+    add_flags(rec, (Flag("train_file", "unlabeled text: .txt, or .jsonl with 'text'", {"required": True}),))
+    add_flags(rec, (Flag("validation_file", "held-out text (default: the end of F)"),))
+    add_setting_flags(rec)  # every recovery setting with a flag, the conversion options' among them
+    add_flags(
+        rec,
+        (Flag("checkpoint_dir", "default: OUT.checkpoints"), Flag("overwrite", "replace OUT if it exists", _SWITCH)),
+    )
+
+    gguf = commands.add_parser("export-gguf", help="write a converted checkpoint as GGUF for llama.cpp")
+    gguf.add_argument("src", metavar="SRC", help="converted checkpoint folder or Hub id (with its tokenizer)")
+    gguf.add_argument("out", metavar="OUT", help="the .gguf file to write")
+    add_flags(
+        gguf, (Flag("outtype", "the matrices' type (norms, biases: f32)", {"choices": OUTTYPES, "default": "f32"}),)
+    )
+    add_flags(gguf, (Flag("overwrite", "replace OUT if it exists", _SWITCH),))
+
+    commands.add_parser(
+        "serve",
+        help="serve a converted checkpoint (or a BLOOM, MPT, Falcon-RW) with transformers' OpenAI-compatible server",
+        description="hf-alibi serve MODEL [transformers serve options]: MODEL first, then `transformers serve`'s own "
+        "options (the port, continuous batching, ...), passed on unchanged.",
+    )
+    info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
+    info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
+    add_flags(info, (Flag("json", "print the report as JSON", _SWITCH),))
+    return parser
