@@ -9,7 +9,6 @@ from ..checkpoints import is_hub_id
 from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.settings import conversion_options
-from ..core.slopes import scaled_slopes_list
 from ..core.version import __version__
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 
@@ -50,7 +49,7 @@ def model_card(
         pipeline_tag=pipeline_tag,
     )
     settings_rows = "\n".join(f"| `{key}` | `{value}` |" for key, value in settings.to_dict().items())
-    used = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
+    used = settings.slopes_in_use()
     slopes = "; ".join(
         ", ".join(f"{s:.6g}" for s in layer) for layer in (used if used and isinstance(used[0], list) else [used])
     )
