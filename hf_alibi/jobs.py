@@ -19,11 +19,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from .checkpoints import CheckpointError, Source, check_output, is_alibi, open_source, staged_output
 from .core.settings import AlibiSettings
-from .core.slopes import scaled_slopes_list
 from .fit import fit_slopes
 from .hub.folder import write_converted
 from .patch import ConversionPlan, patch_model, plan_conversion, takes_options
 from .positions import original_length
+from .recover.settings import check_fit_slopes
 from .registry import get_native_architecture, supported_model_types
 
 if TYPE_CHECKING:
@@ -128,7 +128,8 @@ def recover_checkpoint(
     # on use: hf_alibi.recover loads transformers' Trainer, which the other jobs do not need
     from .recover.api import recover
     from .recover.blocks import read_texts, token_stream
-    from .recover.settings import check_settings, check_text_length, recovery_settings, resolve_lengths
+    from .recover.lengths import check_text_length, resolve_lengths
+    from .recover.settings import check_settings, recovery_settings
     from .recover.summary import recovery_card_section
 
     out = Path(out)
@@ -149,10 +150,8 @@ def recover_checkpoint(
         lengths = resolve_lengths(original, settings.length, max_eval_length=settings.max_eval_length)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    preset = None if settings.preset == "paper" else settings.preset
-    _plan(  # the conversion's checks too, before anything loads (recover plans it again from the loaded teacher)
-        source, settings.heads, settings.encoder_variant, preset, settings.conversion_options()
-    )
+    # the conversion's checks too, before anything loads; recover() converts the teacher with this plan
+    plan = _plan(source, settings.heads, settings.encoder_variant, settings.preset, settings.conversion_options())
     if settings.resume_from_checkpoint is not None:
         settings = replace(settings, resume_from_checkpoint=_checkpoint_to_resume(settings.resume_from_checkpoint))
     model_cls = source.model_class()
@@ -185,7 +184,7 @@ def recover_checkpoint(
                 f"Could not load the model from SRC {src!r} as {model_cls.__name__}: {error}"
             ) from error
         try:
-            result = recover(teacher, stream, tokenizer, settings, eval_texts=eval_stream)
+            result = recover(teacher, stream, tokenizer, settings, eval_texts=eval_stream, plan=plan)
         except CheckpointError:
             raise
         except ValueError as error:
@@ -252,7 +251,7 @@ def checkpoint_info(path: str) -> dict:
         info["alibi"] = settings.to_dict()  # as config.json has them: what describes the options, unrenamed
         info.update(info["alibi"])
         info["slopes_given"] = settings.slopes  # explicit slopes (--slopes), else None
-        info["slopes"] = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)  # in use
+        info["slopes"] = settings.slopes_in_use()  # in use
         info["remote_code"] = sorted(set((config_dict.get("auto_map") or {}).values()))
         if local:
             info["remote_code_file"] = (Path(path) / "modeling_alibi.py").is_file()
@@ -316,8 +315,10 @@ def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None
                 "--fit-scale applies to --fit-slopes only: pass --fit-slopes --fit-text TEXT_FILE too."
             )
         return None
-    if options.get("slopes") is not None or options.get("slope_scale") is not None:
-        raise CheckpointError("--fit-slopes computes the slopes: drop --slopes and --slope-scale.")
+    try:
+        check_fit_slopes(True, options)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
     if fit_scale is not None and not fit_scale > 0:
         raise CheckpointError(
             f"--fit-scale must be > 0 (the slope of a head is C / its mean distance), got {fit_scale}."

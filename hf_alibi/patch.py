@@ -1,7 +1,7 @@
 """``patch_model``: convert a transformers model to ALiBi, in place.
 
 The conversion options (``sinks``, ``slope_scale``, ``slopes``, ``rotary_max_wavelength``, ``position_mean``,
-``table_max_wavelength``) are declared once, as fields of :class:`hf_alibi.AlibiSettings` (``core.config.option``):
+``table_max_wavelength``) are declared once, as fields of :class:`hf_alibi.AlibiSettings` (``core.settings.option``):
 the keywords of :func:`patch_model`, :func:`settings_for` and the functions :func:`takes_options` marks, the
 presets (:data:`PRESETS`), the CLI's flags and ``hf-alibi info``'s line all come from there.
 """

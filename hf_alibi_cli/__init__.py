@@ -26,7 +26,7 @@ def _front_cli() -> types.ModuleType:
         return cli
     spec = importlib.util.find_spec("hf_alibi")  # finds the package without running it
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("hf-alibi: the hf_alibi package is not installed (pip install hf_alibi)")
+        raise ImportError("hf-alibi: the hf_alibi package is not installed (pip install -e . in its checkout)")
     package = types.ModuleType(FRONT, "hf_alibi's folder, for the command line's parser (no __init__ run)")
     package.__path__ = list(spec.submodule_search_locations)
     package.__package__ = FRONT

@@ -4,7 +4,7 @@ The rotary fields (rope_parameters, partial_rotary_factor) stay: they build the 
 size nothing; max_position_embeddings is the one length limit. Checked against an explicit-bias
 reference (tests/reference.py), eager and sdpa, with grouped KV heads, sliding windows (mistral, qwen2,
 gemma2, gemma3_text, cohere2, exaone4, ministral, mixtral, olmo3, qwen2_moe), soft-capping (gemma2: the
-bias is added after the cap, see core/masked.py), partial rotary (phi3, stablelm, gpt_neox, phi, persimmon,
+bias is added after the cap, see core/dense.py), partial rotary (phi3, stablelm, gpt_neox, phi, persimmon,
 glm, glm4, nemotron), layers without rotary (smollm3) and mixture-of-experts MLPs (mixtral, olmoe,
 qwen2_moe, qwen3_moe, granitemoe).
 """

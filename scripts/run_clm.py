@@ -228,6 +228,8 @@ def main():
     datasets.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.set_verbosity(log_level)
     datasets.utils.logging.disable_progress_bar()
+    if training_args.disable_tqdm:  # the Trainer's bar off, and transformers' own (a save's "Writing model shards")
+        transformers.utils.logging.disable_progress_bar()
     logger.info(f"Training/evaluation parameters {training_args}")
 
     set_seed(training_args.seed)
@@ -319,6 +321,8 @@ def main():
         logger.info(f"Training new model from scratch: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
+    if model.loss_type is None:  # a class name naming no loss (GPT2LMHeadModel): transformers warns, then takes this
+        model.loss_type = "ForCausalLM"
     teacher = None
     if model_args.distill_from_original:
         if hf_alibi.is_alibi(model):

@@ -75,12 +75,13 @@ def removed_field_marker(base_model_type: str, architecture: str | None = None) 
     # the Auto class that maps to the saved class, else the most specific one the type has
     auto = next((a for a, c in names.items() if architecture and "Alibi" + c == architecture), None)
     auto = auto or next((name for name in _ADVISED_AUTO_CLASSES if name in names), "AutoModel")
-    direct = f" or hf_alibi.models.{architecture}" if architecture else ""
+    direct = f" or hf_alibi.models.{architecture}.from_pretrained(path)" if architecture else ""
+    # hf_alibi is installed from its source (no package index serves it); the checkpoint's own code needs neither
     return (
         f"{REMOVED_FIELD_MARKER} (model_type {MODEL_TYPE_PREFIX}{base_model_type}), which the original "
-        f"{base_model_type} classes cannot load. With hf_alibi: `import hf_alibi` (pip install hf_alibi), then "
-        f"load it with {auto}.from_pretrained{direct}, not the original class. Without hf_alibi: "
-        "load it with trust_remote_code=True"
+        f"{base_model_type} classes cannot load. Load it with {auto}.from_pretrained(path, trust_remote_code=True), "
+        "which runs the code saved with it, or with hf_alibi installed from its source (pip install -e . in a "
+        f"checkout of hf_alibi): `import hf_alibi`, then {auto}.from_pretrained(path){direct}"
     )
 
 

@@ -25,7 +25,7 @@ from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickl
 )
 from .names import check_backend
 from .settings import AlibiSettings, is_per_layer
-from .slopes import CAUSAL, scaled_slopes_list
+from .slopes import CAUSAL
 from .strategies import POSITION_READERS, STRATEGIES, RetainedTable, find_modules
 
 
@@ -53,7 +53,7 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     attentions = self_attentions(base, row)
     STRATEGIES[row.strategy](base, row.position, settings)
     shared = SharedByLayers()
-    slopes = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
+    slopes = settings.slopes_in_use()
     per_layer = slopes if is_per_layer(slopes) else [slopes] * len(attentions)
     for attention, layer_slopes in zip(attentions, per_layer):
         causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))

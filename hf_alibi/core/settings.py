@@ -205,6 +205,17 @@ class AlibiSettings:
         if self.slopes is not None:  # JSON gives a list; kept as floats, fp32 is made from them per device
             object.__setattr__(self, "slopes", _as_floats(self.slopes))
 
+    def slopes_in_use(self) -> list:
+        """The slopes the converted model runs with: the explicit ``slopes`` (one per head, or a list per layer),
+        else the paper's times ``slope_scale``.
+
+        >>> AlibiSettings("gpt2", heads=2, slope_scale=0.5).slopes_in_use()
+        [0.03125, 0.001953125]
+        """
+        from .slopes import scaled_slopes_list  # on use: slopes.py imports torch, which the CLI's parser must not load
+
+        return scaled_slopes_list(self.heads, self.slope_scale, self.slopes)
+
     def to_dict(self) -> dict[str, Any]:
         return dict(sorted(dataclasses.asdict(self).items()))
 

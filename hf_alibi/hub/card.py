@@ -9,7 +9,6 @@ from ..checkpoints import is_hub_id
 from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.settings import conversion_options
-from ..core.slopes import scaled_slopes_list
 from ..core.version import __version__
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 
@@ -50,7 +49,7 @@ def model_card(
         pipeline_tag=pipeline_tag,
     )
     settings_rows = "\n".join(f"| `{key}` | `{value}` |" for key, value in settings.to_dict().items())
-    used = scaled_slopes_list(settings.heads, settings.slope_scale, settings.slopes)
+    used = settings.slopes_in_use()
     slopes = "; ".join(
         ", ".join(f"{s:.6g}" for s in layer) for layer in (used if used and isinstance(used[0], list) else [used])
     )
@@ -68,7 +67,7 @@ def model_card(
 # ALiBi {settings.base_model_type}
 
 This checkpoint is {origin} converted to ALiBi (Press, Smith and Lewis, *Train Short, Test Long*, 2021)
-by [hf_alibi](https://pypi.org/project/hf_alibi/) {__version__}: its position embeddings are gone (or cut to
+by hf_alibi {__version__}: its position embeddings are gone (or cut to
 the parts the note below names), and every self-attention layer adds a fixed, head-specific linear penalty
 to its attention scores ({bias}), so it runs on inputs longer than it was trained on.
 Cross-attention has no position bias.
@@ -77,7 +76,7 @@ Cross-attention has no position bias.
 
 ## How to load
 
-With hf_alibi installed (`pip install hf_alibi`):
+With hf_alibi installed (from its source: `pip install -e .` in a checkout of hf_alibi):
 
 ```python
 import hf_alibi  # registers the ALiBi model types
@@ -97,7 +96,9 @@ tokenizer = AutoTokenizer.from_pretrained("REPO_OR_FOLDER", trust_remote_code=Fa
 ```
 
 (The tokenizer needs no custom code, but without `trust_remote_code=False` transformers reads config.json
-first and asks whether to run the code its `auto_map` names.)
+first and asks whether to run the code its `auto_map` names. With it, transformers logs "You are using a model of
+type `alibi_...` to instantiate a model of type ``": refused the code, it reads config.json as a generic config
+before it reads the tokenizer's own files, which load as saved.)
 
 Loading it with neither fails with an error: plain transformers never rebuilds it as the original
 architecture with fresh position embeddings.

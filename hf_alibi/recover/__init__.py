@@ -29,8 +29,8 @@ Modules (each one job; everything public is re-exported here):
 - ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
 - ``metrics``: agreement with the teacher at 1x..8x the original length;
 - ``blocks``: text files, the token stream, training blocks;
-- ``settings``: :class:`RecoverySettings`, every setting of :func:`recover` declared once (its flag, its check),
-  the bounded lengths; it imports neither torch nor transformers, so ``hf-alibi recover``'s parser reads it;
+- ``settings``: :class:`RecoverySettings`, every setting of :func:`recover` declared once (its flag, its check);
+  ``lengths``: the bounded lengths; neither imports torch or transformers, so ``hf-alibi recover``'s parser reads them;
 - ``api``: :func:`recover` and :class:`RecoveryResult`; ``summary``: the model card's recovery section;
 - what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.jobs.recover_checkpoint`.
 
@@ -50,7 +50,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-_SUBMODULES = ("api", "blocks", "kinds", "lora", "losses", "metrics", "settings", "summary", "trainer", "warm_start")
+_SUBMODULES = (
+    "api", "blocks", "kinds", "lengths", "lora", "losses", "metrics", "settings", "summary", "trainer", "warm_start"
+)  # fmt: skip
 _HOMES = {
     "original_length": "..positions",
     "RecoveryResult": ".api",

@@ -21,16 +21,10 @@ from ..patch import ConversionPlan, patch_model, plan_conversion
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
+from .lengths import check_text_length, resolve_lengths
 from .lora import add_lora, merge_lora
 from .metrics import agreement, format_agreement
-from .settings import (
-    RecoverySettings,
-    check_settings,
-    check_text_length,
-    default_learning_rate,
-    recovery_settings,
-    resolve_lengths,
-)
+from .settings import RecoverySettings, check_settings, default_learning_rate, recovery_settings
 from .trainer import DistillationTrainer
 
 
@@ -71,6 +65,7 @@ def recover(
     *,
     eval_texts: Sequence[str] | torch.Tensor | None = None,
     log: Callable[[str], None] | None = print,
+    plan: ConversionPlan | None = None,
     **overrides: Any,
 ) -> RecoveryResult:
     """Convert a copy of ``model`` to ALiBi and distil ``model`` into it on ``texts``.
@@ -90,6 +85,9 @@ def recover(
             conversion options ``sinks``, ``slope_scale``, ...: :func:`hf_alibi.patch_model`'s).
         eval_texts: held-out text for the agreement figures (default: the end of ``texts``).
         log: where the agreement lines go (None: nowhere).
+        plan: the conversion already planned from ``settings`` and the teacher's config
+            (:func:`hf_alibi.patch.plan_conversion`: :func:`hf_alibi.jobs.recover_checkpoint` plans it before the
+            teacher loads); default: planned here.
         **overrides: settings by name, over ``settings`` (``recover(model, texts, tokenizer, max_steps=300)``);
             an unknown name is a ``TypeError`` that lists the known ones.
 
@@ -108,7 +106,8 @@ def recover(
     """
     # 1. every check, before any work (the one place: _check)
     settings = recovery_settings(settings, **overrides)  # each field's own check
-    original, kind, preset, plan = _check(model, settings, eval_texts)
+    original, kind, plan = _check(model, settings, plan)
+    preset = settings.preset  # None: the paper's method
     learning_rate = settings.learning_rate
     if learning_rate is None:
         learning_rate = default_learning_rate(kind, preset, settings.lora_rank)
@@ -187,10 +186,10 @@ def recover(
     return RecoveryResult(student=student, history=history, info=info)
 
 
-def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, str, str | None, ConversionPlan]:
+def _check(model, settings: RecoverySettings, plan: ConversionPlan | None) -> tuple[int | None, str, ConversionPlan]:
     """Every check of :func:`recover`'s arguments past each setting's own (:class:`RecoverySettings`), before any
     work: one-line ``ValueError`` (``TypeError`` for a model that is no transformers model). Returns the original
-    length, the model's kind, the preset (None: the paper's conversion) and the conversion's plan."""
+    length, the model's kind and the conversion's plan (``plan``, else planned from the settings)."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"recover expects a transformers PreTrainedModel, got {type(model).__name__}.")
     if is_alibi(model):
@@ -200,15 +199,15 @@ def _check(model, settings: RecoverySettings, eval_texts) -> tuple[int | None, s
         )
     original = original_length(model)
     check_settings(original, settings)  # those that need the teacher's length, or several settings at once
-    preset = None if settings.preset == "paper" else settings.preset
-    options = settings.conversion_options()
-    plan = plan_conversion(model.config, settings.heads, settings.encoder_variant, preset=preset, **options)
+    if plan is None:
+        options = {"preset": settings.preset, **settings.conversion_options()}
+        plan = plan_conversion(model.config, settings.heads, settings.encoder_variant, **options)
     if settings.warm_start_steps and position_table(model) is None:
         raise ValueError(
             f"warm_start_steps needs a learned position table; {model.config.model_type} has none "
             "(rotary or relative positions). Use warm_start_steps=0."
         )
-    return original, model_kind(model), preset, plan
+    return original, model_kind(model), plan
 
 
 def _split_text(texts, tokenizer, eval_texts, eval_fraction, max_eval_tokens, length, frame):
@@ -272,12 +271,8 @@ def _fitted_slopes(teacher, stream, frame, preset, fit, plan: ConversionPlan) ->
     given = [name for name in ("slopes", "slope_scale") if plan.given.get(name) is not None]
     if fit is None:  # by default where it can (fit_slopes refuses encoder-decoders itself when asked)
         fit = preset is not None and not given and not getattr(teacher.config, "is_encoder_decoder", False)
-    if not fit:
+    if not fit:  # an explicit fit with slopes given, or without a preset, was refused by check_settings
         return None
-    if given:
-        raise ValueError(f"fit_slopes computes the slopes: drop {' and '.join(given)} (or pass fit_slopes=False).")
-    if preset is None:
-        raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
     length = min(original_length(teacher) or FIT_TOKENS, FIT_TOKENS)
     text = stream[: length - frame_size(frame)]  # all of it when the stream is shorter
     return fit_slopes(teacher, frame_rows(text[None], frame), sinks=plan.settings.sinks)

@@ -1,4 +1,4 @@
-"""Recovery's settings, declared once (:class:`RecoverySettings`), checked before anything loads; the bounded lengths.
+"""Recovery's settings, declared once (:class:`RecoverySettings`), checked before anything loads.
 
 Every setting of :func:`hf_alibi.recover.recover` is one field of :class:`RecoverySettings`, made with
 :func:`setting`: its help, its ``hf-alibi recover`` flag (:func:`add_setting_flags`), its check (run when the object
@@ -6,9 +6,9 @@ is made), and whether the :class:`~hf_alibi.recover.DistillationTrainer` takes i
 ``distill_*`` fields: :func:`with_distill_fields`). The conversion options (``sinks``, ``slope_scale``, ...) stay
 declared in :mod:`hf_alibi.core.settings`; they join :class:`RecoverySettings` as fields from there.
 
-One place also answers "which lengths does recovery train and evaluate at" and the checks that need the teacher's
-length (:func:`check_settings`), for :func:`~hf_alibi.recover.recover` and ``hf-alibi recover`` (which checks before
-loading the model: the teacher's length limit comes from its config).
+The checks that need the teacher's length or several settings at once are :func:`check_settings`, for
+:func:`~hf_alibi.recover.recover` and ``hf-alibi recover`` (which checks before loading the model: the teacher's
+length limit comes from its config); the lengths themselves are :mod:`hf_alibi.recover.lengths`'.
 
 This module imports only the standard library and :mod:`hf_alibi.core.settings` (neither torch nor transformers):
 ``hf-alibi recover --help`` builds its flags from it before the library loads (tests/test_cli_startup.py).
@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.names import ENCODER_VARIANTS
 from ..core.settings import conversion_options, flag_spellings, presets
+from .lengths import EVAL_FACTORS, MAX_DEFAULT_LENGTH, MAX_EVAL_LENGTH
 
-# Bounded defaults (a CPU never finishes at the original maximum x 8); every bound that bit is said
-# (RecoveryLengths.notes). The measurements behind these values: docs/measurements.md.
-MAX_DEFAULT_LENGTH = 512
-MAX_EVAL_LENGTH = 2048
-EVAL_FACTORS = (1, 2, 4, 8)
 HIDDEN_LAYERS = ("last", "all")  # the hidden-state loss on the last layer, or the mean over every layer's output
 
 # The learning rate when none is given, by how far the conversion starts from the original; LoRA: LORA_FACTOR x
@@ -204,7 +200,7 @@ class RecoverySettings:
     )  # fmt: skip
     preset: str | None = setting(
         "pretrained",
-        "Conversion preset (its values: hf_alibi.patch.PRESETS); 'paper' or None: the paper's method.",
+        "Conversion preset (its values: hf_alibi.patch.PRESETS); 'paper' or None: the paper's method (kept as None).",
         flag={"help": "conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"},
         check=_known_preset,
     )
@@ -265,6 +261,8 @@ class RecoverySettings:
     def __post_init__(self):
         # a list is accepted (and kept hashable, as a frozen dataclass should be)
         object.__setattr__(self, "eval_factors", tuple(self.eval_factors))
+        if self.preset == "paper":  # the paper's method has one spelling from here on: None, as patch_model's
+            object.__setattr__(self, "preset", None)
         for declared in dataclasses.fields(self):
             check = declared.metadata["check"]
             if check is not None:
@@ -346,63 +344,16 @@ def distill_settings_of(arguments: Any) -> RecoverySettings:
     return RecoverySettings(**values)
 
 
-@dataclass(frozen=True)
-class RecoveryLengths:
-    """The training length, the agreement lengths (``factor x length``) and what was capped, as lines."""
-
-    length: int
-    factors: tuple[int, ...]
-    notes: tuple[str, ...]
-
-
-def resolve_lengths(
-    original: int | None,
-    length: int | None = None,
-    eval_factors: Sequence[int] = EVAL_FACTORS,
-    max_eval_length: int | None = MAX_EVAL_LENGTH,
-) -> RecoveryLengths:
-    """Training length ``length`` (default ``min(original, 512)``) and the agreement factors whose
-    ``factor * length`` is at most ``max_eval_length`` (None: no cap). ``notes`` says what was capped.
-
-    >>> resolve_lengths(8192).length, resolve_lengths(8192).factors
-    (512, (1, 2, 4))
-    >>> resolve_lengths(512, max_eval_length=4096).factors
-    (1, 2, 4, 8)
-    """
-    notes = []
-    if length is None:
-        if not original:
-            raise ValueError("The model has no position table to read its length from: pass length (CLI: --length).")
-        length = min(original, MAX_DEFAULT_LENGTH)
-        if length < original:
-            notes.append(
-                f"training length {length}: the original's {original} capped at {MAX_DEFAULT_LENGTH} "
-                "(pass --length to train longer)"
-            )
-    kept = tuple(f for f in eval_factors if max_eval_length is None or f * length <= max_eval_length)
-    dropped = [f * length for f in eval_factors if f not in kept]
-    if dropped:
-        notes.append(
-            f"agreement at {', '.join(str(f * length) for f in kept) or 'no length'} tokens; "
-            f"{', '.join(map(str, dropped))} capped by max_eval_length {max_eval_length} (--max_eval_length)"
-        )
-    if original and max_eval_length is not None and not any(f * length > original for f in kept):
-        notes.append(
-            f"no agreement past the original length {original}: it needs more than {original} tokens, over "
-            f"max_eval_length {max_eval_length}"
-        )
-    return RecoveryLengths(length, kept, tuple(notes))
-
-
 def default_learning_rate(kind: str, preset: str | None, lora_rank: int = 0) -> float:
-    """The learning rate :func:`recover` uses when none is given (:data:`DEFAULT_LEARNING_RATES`).
+    """The learning rate :func:`recover` uses when none is given (:data:`DEFAULT_LEARNING_RATES`); ``preset``: as
+    :attr:`RecoverySettings.preset` holds it (None: the paper's method).
 
     >>> default_learning_rate("causal", "pretrained"), default_learning_rate("causal", "pretrained", lora_rank=16)
     (1e-05, 0.0002)
     >>> default_learning_rate("encoder", None)
     0.0002
     """
-    rate = DEFAULT_LEARNING_RATES["paper" if preset in (None, "paper") else kind]
+    rate = DEFAULT_LEARNING_RATES["paper" if preset is None else kind]
     return rate * LORA_FACTOR if lora_rank else rate
 
 
@@ -433,22 +384,25 @@ def check_settings(
         )
     if settings.save_steps and not settings.output_dir:
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")
+    check_fit_slopes(settings.fit_slopes, settings.conversion_options())
+    if settings.fit_slopes and settings.preset is None:
+        raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
     return settings
 
 
-def check_text_length(tokens: int, length: int, enough: bool) -> None:
-    """The one error for text too short to recover at ``length`` (``tokens`` in all; ``enough``: whether it holds
-    a training window and a held-out slice, as the caller splits it).
+def check_fit_slopes(fit: bool | None, options: dict[str, Any]) -> None:
+    """The one error for slopes asked to be fitted and given at once (``options``: the conversion options given),
+    for ``hf-alibi convert --fit-slopes`` and :func:`~hf_alibi.recover.recover`'s ``fit_slopes``.
 
-    >>> check_text_length(20, 16, enough=False)  # doctest: +ELLIPSIS
+    >>> check_fit_slopes(True, {"slope_scale": 0.1})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: The text is too short: 20 tokens, but recovering at length 16 needs ...
+    ValueError: --fit-slopes computes the slopes: drop --slope-scale (slope_scale), or fit none ...
     """
-    if not enough:
+    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
+    if fit and given:
         raise ValueError(
-            f"The text is too short: {tokens} tokens, but recovering at length {length} needs at least one training "
-            f"window of {length} tokens and a held-out slice of {length + 1} ({2 * length + 1} tokens in all). Pass "
-            "more text, or a smaller length (--length)."
+            f"--fit-slopes computes the slopes: drop {' and '.join(flag_spellings(n)[0] for n in given)} "
+            f"({', '.join(given)}), or fit none (recover: --no-fit-slopes, fit_slopes=False)."
         )
 
 

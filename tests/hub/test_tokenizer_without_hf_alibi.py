@@ -62,7 +62,7 @@ def test_the_model_cards_tokenizer_line_loads_without_a_prompt(converted, tmp_pa
 
 def test_without_the_flag_transformers_asks(converted, tmp_path):
     """Why the card passes trust_remote_code=False: if this fails, transformers stopped asking, and the card
-    (hf_alibi/hub.py) can drop the flag."""
+    (hf_alibi/hub/card.py) can drop the flag."""
     code = """
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained("alibi")

@@ -11,6 +11,8 @@ Notebooks teach the public API: they reach hf_alibi only through its documented 
 
 import ast
 import importlib
+import json
+import os
 import re
 from pathlib import Path
 
@@ -47,6 +49,70 @@ def test_committed_notebook_is_its_source_executed(source):
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert all(cell.execution_count for cell in code_cells), "run python notebooks/execute.py"
     assert not [o for cell in code_cells for o in cell.outputs if o.output_type == "error"]
+
+
+def committed_output_lines() -> list[tuple[str, str]]:
+    """(notebook, line) for every line a committed notebook's code cells printed."""
+    lines = []
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                text = output.get("text") or output.get("data", {}).get("text/plain", "")
+                lines += [(path.name, line) for line in text.splitlines()]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def saved_today(tmp_path_factory) -> tuple[list[str], dict]:
+    """What a converted model's save writes today (its files, sorted, and its config.json): the facts that drift."""
+    from tiny import tiny_gpt2
+
+    import hf_alibi
+
+    folder = tmp_path_factory.mktemp("saved")
+    hf_alibi.patch_model(tiny_gpt2()).save_pretrained(folder)
+    return sorted(os.listdir(folder)), json.loads((folder / "config.json").read_text())
+
+
+def printed_literals(prefix: str) -> list[tuple[str, object]]:
+    """The committed outputs' lines that are a Python literal starting with ``prefix``, evaluated."""
+    found = []
+    for name, line in committed_output_lines():
+        if line.startswith(prefix):
+            try:
+                found.append((name, ast.literal_eval(line)))
+            except (SyntaxError, ValueError):  # a line that only starts like one ("[recover] step ...")
+                pass
+    return found
+
+
+def test_committed_outputs_list_the_files_a_save_writes_today(saved_today):
+    """Without running a notebook: every converted folder's listing they print is today's, so is the code files'
+    count, and every settings dict they print has config.alibi's keys today, the marker its text today. A stale
+    committed output fails here; `python notebooks/execute.py NN_name` rebuilds it."""
+    files, config = saved_today
+    code = [name for name in files if name.endswith(".py")]
+    listings = [(name, listed) for name, listed in printed_literals("[") if "modeling_alibi.py" in listed]
+    assert listings, "no notebook prints a converted folder's files any more: update this test"
+    for name, listed in listings:  # 01: model.save_pretrained's folder
+        assert listed == files, f"{name} shows a stale save: rebuild it"
+    tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    wrote = [(name, line.split(": ", 1)[1]) for name, line in committed_output_lines() if line.startswith("Wrote the")]
+    counted = [(name, re.fullmatch(r"(\d+) code files: (.+)", line)) for name, line in committed_output_lines()]
+    counted = [(name, match) for name, match in counted if match]
+    assert wrote and counted, "notebook 04 no longer shows what convert wrote: update this test"
+    for name, listed in wrote:  # 04: hf-alibi convert's report, SRC's tokenizer files kept
+        assert sorted(set(listed.split(", ")) - tokenizer_files) == files, f"{name} shows a stale convert: rebuild it"
+    for name, match in counted:
+        assert (int(match.group(1)), match.group(2).split(", ")) == (len(code), code), f"{name}: stale code files"
+    dicts = [(name, d.get("alibi", d)) for name, d in printed_literals("{") if isinstance(d, dict)]
+    settings = [(name, d) for name, d in dicts if isinstance(d, dict) and "base_model_type" in d]
+    assert {name for name, _ in settings} >= {"01_quickstart.ipynb", "03_encoders.ipynb"}
+    for name, printed in settings:  # 01 and 03 print config.alibi
+        assert sorted(printed) == sorted(config["alibi"]), f"{name} shows stale ALiBi settings: rebuild it"
+    dict_lines = [d for _, d in printed_literals("{") if isinstance(d, dict)]
+    markers = [d["n_positions"] for d in dict_lines if str(d.get("n_positions")).startswith("removed")]
+    assert markers and all(marker == config["n_positions"] for marker in markers), "a stale marker: rebuild 01"
 
 
 # slow tier: the five notebooks run end to end take about 90 s of the default tier's budget (10 minutes on 2 cores);

@@ -10,7 +10,8 @@ from tiny import random_ids, tiny_bert, tiny_gpt2
 
 import hf_alibi
 from hf_alibi.recover import recover, recovery_card_section
-from hf_alibi.recover.settings import check_settings, resolve_lengths
+from hf_alibi.recover.lengths import resolve_lengths
+from hf_alibi.recover.settings import check_settings
 
 
 def test_default_lengths_are_bounded_and_say_so():

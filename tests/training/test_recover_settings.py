@@ -161,3 +161,70 @@ def test_the_settings_object_the_keywords_and_overrides_train_the_same_student()
     trained = hf_alibi.get_settings(by_object.student.config)
     assert (trained.sinks, trained.slope_scale) == (2, 0.01)  # sinks given, the preset's scale
     assert not torch.equal(expected["transformer.h.0.attn.c_attn.weight"], teacher.transformer.h[0].attn.c_attn.weight)
+
+
+FIT_AND_SLOPES = (
+    "--fit-slopes computes the slopes: drop --slope-scale (slope_scale), or fit none (recover: --no-fit-slopes, "
+    "fit_slopes=False)."
+)
+
+
+def test_the_paper_preset_has_one_spelling():
+    """'paper' and None name the same conversion: the settings hold None, so nothing downstream asks again."""
+    assert RecoverySettings(preset="paper").preset is None
+    assert RecoverySettings(preset="paper") == RecoverySettings(preset=None)
+    assert RecoverySettings().preset == "pretrained"
+
+
+def test_fitting_given_slopes_is_refused_in_one_line_before_any_work(gpt2_src, tmp_path, monkeypatch):
+    """convert's --fit-slopes and recover's fit_slopes refuse explicit slopes with the same line; recover refuses it
+    (and a fit without the preset) with its other settings, before the teacher or the tokenizer loads."""
+    from hf_alibi import jobs
+    from hf_alibi.checkpoints import CheckpointError
+
+    with pytest.raises(ValueError) as refused:
+        check_settings(32, fit_slopes=True, slope_scale=0.1)
+    assert str(refused.value) == FIT_AND_SLOPES
+    with pytest.raises(ValueError, match=r"^fit_slopes needs the pretrained preset .*drop preset='paper'.$"):
+        check_settings(32, fit_slopes=True, preset="paper")
+    assert check_settings(32, fit_slopes=True).fit_slopes is True  # with the preset: fine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded something before the settings were checked")
+
+    monkeypatch.setattr(jobs.AutoTokenizer, "from_pretrained", refuse)
+    text = tmp_path / "notes.txt"
+    text.write_text("w1 w2 w3 " * 200)
+    with pytest.raises(CheckpointError) as refused:
+        jobs.recover_checkpoint(str(gpt2_src), tmp_path / "out", text, fit_slopes=True, slope_scale=0.1)
+    assert str(refused.value) == FIT_AND_SLOPES
+    with pytest.raises(CheckpointError) as refused:  # convert: the same line
+        jobs.convert_checkpoint(str(gpt2_src), tmp_path / "out", fit_file=str(text), slope_scale=0.1)
+    assert str(refused.value) == FIT_AND_SLOPES
+    assert not (tmp_path / "out").exists()
+
+
+def test_recover_checkpoint_plans_the_conversion_once(gpt2_src, tmp_path, monkeypatch):
+    """The plan made from SRC's config.json before anything loads is the one the student is converted with."""
+    from hf_alibi import jobs
+    from hf_alibi.recover import api
+
+    planned = []
+
+    def counting(plan_conversion):
+        def plan(*args, **kwargs):
+            planned.append(kwargs)
+            return plan_conversion(*args, **kwargs)
+
+        return plan
+
+    monkeypatch.setattr(jobs, "plan_conversion", counting(jobs.plan_conversion))
+    monkeypatch.setattr(api, "plan_conversion", counting(api.plan_conversion))
+    text = tmp_path / "notes.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(600)))
+    out, result = jobs.recover_checkpoint(
+        str(gpt2_src), tmp_path / "out", text, max_steps=1, batch_size=2, length=16, sinks=2, fit_slopes=False,
+        progress=False,
+    )  # fmt: skip
+    assert len(planned) == 1 and planned[0]["sinks"] == 2
+    assert hf_alibi.get_settings(result.student.config).sinks == 2

@@ -33,9 +33,12 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _run(args, cache, launcher=(sys.executable,)):
+def _run(args, cache, launcher=(sys.executable,), stderr: list | None = None):
+    """The script's stdout (its stderr appended to ``stderr`` when given); fails on a non-zero exit."""
     result = subprocess.run([*launcher, *args], capture_output=True, text=True, env=_env(cache), timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout
 
 
@@ -66,13 +69,19 @@ def _reevaluate(output_dir, split_text, tokens, length, stride):
 def test_run_clm_alibi_embedded_corpus(tmp_path):
     out = tmp_path / "out"
     lengths = [32, 64, 128]  # training at 32 (block 64, s = 0.5), n_positions 16 is no limit
+    stderr = []
     stdout = _run(
         [SCRIPT, *TINY, "--alibi", "--alibi_heads", "4", *COMMON, "--block_size", "64", "--do_train"]
         + ["--train_sequence_length_scaling", "0.5", "--use_cpu", "--output_dir", str(out)]
-        + ["--eval_lengths", "32,64,128", "--max_eval_tokens", "600", "--export_gguf", "f32"],
+        + ["--eval_lengths", "32,64,128", "--max_eval_tokens", "600", "--export_gguf", "f32"]
+        + ["--disable_tqdm", "true"],
         tmp_path / "cache",
+        stderr=stderr,
     )
     assert "Perplexity against evaluation length" in stdout and "nonoverlapping" in stdout
+    # --disable_tqdm true: no progress bar at all (a bar redraws with \r and counts it/s), and no loss_type warning
+    printed = stdout + stderr[0]
+    assert "it/s]" not in printed and "\r" not in printed and "loss_type" not in printed, printed[-2000:]
     results = _check_results(out, lengths, 600, ["validation", "test"])
     assert results["train_length"] == 32 and results["world_size"] == 1
     assert json.loads((out / "config.json").read_text())["model_type"] == "alibi_gpt2"
