@@ -30,11 +30,10 @@ from .compat import (
     paged_layer_window,
     stored_attn_implementation,
 )
-from .names import alibi_name, base_name, check_backend
+from .kernels import check_backend, paged_refusal
+from .names import alibi_name, base_name
 from .slopes import CAUSAL, KeyRounding, is_sink
 
-# The backends whose ALiBi path takes one additive mask: the paged path's bias goes there.
-PAGED_BACKENDS = ("sdpa", "eager")
 # What continuous batching passes a model's forward for its layers: each layer's ``cache.update(key, value,
 # layer_idx, kwargs)`` narrows the per-kind entries (cu_seq_lens_k, max_length_k) to its own and reads the indices
 LAYER_ARGUMENTS = (
@@ -141,7 +140,7 @@ def paged_bias_mask(forward, alibi, module, query: torch.Tensor, kv_len: int, kw
         raise ValueError("A continuous-batching attention call came without its layer's cu_seq_lens_k.")
     window = paged_layer_window(batch.cache, module.layer_idx)
     dtype = query.dtype
-    key = (window, alibi.slope_values, alibi.rounding, alibi.sinks, query.shape[2], kv_len, query.device, dtype)
+    key = (window, alibi.spec, query.shape[2], kv_len, query.device, dtype)  # the bias as one value: its spec
 
     def build() -> torch.Tensor:
         bias = paged_bias(
@@ -160,12 +159,9 @@ def check_continuous_batching(model) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("Continuous batching runs decoder-only models; use generate() for this encoder-decoder.")
     check_backend(stored_attn_implementation(config))  # another engine's name, written past the setter
-    backend = base_name(config._attn_implementation)
-    if backend not in PAGED_BACKENDS:
-        raise ValueError(
-            f"Continuous batching has an ALiBi path for attn_implementation 'sdpa' and 'eager', not {backend!r}: "
-            "call model.set_attn_implementation('sdpa') (or 'eager') first."
-        )
+    reason = paged_refusal(config._attn_implementation)  # the kernel table's paged backends take the bias here
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_manager_config(continuous_batching_config) -> None:
