@@ -63,9 +63,11 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
     Performance): the fold (row construction) costs 0.96 to 1.04 of the unpatched model's training
     step in bf16 and fp32 where the bias path costs up to 2x; with a mask (channel construction) it
     is below the bias path from 256 queries and within noise of it at 32 to 128; it never builds an
-    L x L tensor. CUDA is chosen by construction, not yet measured (``benchmarks/gpu.py``). While ``torch.export`` or
-    ``torch.compile`` traces, the query count is not looked at (it would become a guard that rejects
-    other lengths): the fold is taken wherever it is exact.
+    L x L tensor. On CUDA the fold costs 1.26-1.35 of the unpatched GPT-2 step on SDPA's flash kernel (H100,
+    docs/performance.md); its cudnn construction (``folded.fold_construction``) is chosen there by construction,
+    pending measurement (``benchmarks/gpu_session.sh``). While ``torch.export`` or ``torch.compile`` traces, the
+    query count is not looked at (it would become a guard that rejects other lengths): the fold is taken wherever
+    it is exact.
 
     ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
     where it would be wrong raises instead of computing something else.
