@@ -8,12 +8,15 @@ gradients; and the one-line refusals the kernel table gives. The real kernel is 
 import fa4_standin
 import pytest
 import torch
+from arch_cases import CASES, VOCAB
 from reference import explicit_bias, fairseq_slopes, reference_attention
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import hf_alibi
 from hf_alibi.core import fa4
 from hf_alibi.core.bias import AlibiBias
+from hf_alibi.core.compat import store_attn_implementation
 from hf_alibi.core.forward import AlibiForward
 from hf_alibi.core.packing import document_starts
 from hf_alibi.core.slopes import KeyRounding
@@ -159,3 +162,29 @@ def test_dropout_while_training_is_refused():
     q, k, v = inputs(1, 8, 8)
     with pytest.raises(NotImplementedError, match="no attention dropout"):
         run(layer, q, k, v, dropout=0.1)
+
+
+def use_fa4(model):
+    for module in model.modules():
+        if getattr(module, "config", None) is not None:
+            store_attn_implementation(module.config, "flash_attention_4")  # transformers' setter wants flash-attn-4
+    return model.to(BF16)
+
+
+FA4_CASES = [case for case in CASES if case.name in ("gpt2", "llama", "bert")]
+
+
+@pytest.mark.parametrize("case", FA4_CASES, ids=[c.name for c in FA4_CASES])
+def test_whole_model_on_fa4_equals_sdpa_in_fp32(case):
+    """transformers hands the flash_attention_4 backend its 2D padding mask; left padding, a decoder and an
+    encoder: the logits of the real tokens within bf16's rounding of the fp32 sdpa model's."""
+    model = hf_alibi.patch_model(case.make(), encoder_variant="symmetric" if case.bidirectional else None)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :6] = 0  # left padding
+    with torch.no_grad():
+        exact = model(input_ids=ids, attention_mask=mask).logits
+        fa4_logits = use_fa4(model)(input_ids=ids, attention_mask=mask).logits.float()
+    assert {m.last_path for m in model.modules() if isinstance(m, AlibiBias)} == {"fa4"}
+    real = mask.bool()
+    assert (fa4_logits - exact)[real].abs().max().item() < 0.05 * exact[real].abs().max().item()
