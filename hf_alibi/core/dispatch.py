@@ -140,11 +140,10 @@ def _choose_and_run(
         alibi.last_path = path
     if path == FOLDED:
         attention_mask = packed_causal_mask(forward, query, key.shape[2], attention_mask)
-        starts, end = forward.rows(alibi)
         run = partial(
             folded_causal_attention, module, attention_mask=attention_mask,
             slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
-            scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end, rounding=alibi.rounding,
+            scaling=kwargs.get("scaling"), bias=alibi.spec, rows=forward.rows(alibi),
         )  # fmt: skip
         return _flushed_kernel(run, query, key, value)
     q_len = query.shape[2]

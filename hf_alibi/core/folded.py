@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
-from .slopes import CAUSAL, KeyRounding, offsets, row_positions, sink_keys
+from .slopes import CAUSAL, BiasSpec, KeyRounding, offsets, row_positions, sink_keys
 
 ROW, CHANNEL, CUDNN = "row", "channel", "cudnn"
 FOLD_CONSTRUCTIONS = (ROW, CHANNEL, CUDNN)
@@ -219,10 +219,8 @@ def folded_causal_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     construction: str | None = None,
-    sinks: int = 0,
-    starts: torch.Tensor | None = None,
-    end: int | None = None,
-    rounding: KeyRounding | None = None,
+    bias: BiasSpec | None = None,
+    rows: tuple = (None, None),
 ) -> tuple[torch.Tensor, None]:
     """Causal ALiBi through SDPA's causal kernel with no L x L tensor, in fp32, fp64, bf16 or fp16.
 
@@ -258,11 +256,15 @@ def folded_causal_attention(
     ``"cudnn"`` (CUDA, half precision, no mask): the channel construction with values left at their width, run by
     cuDNN's attention (``SDPBackend.CUDNN_ATTENTION``, which takes q/k heads wider than v's); the same error bound.
 
-    ``sinks > 0`` (channel and cudnn constructions only): the first ``sinks`` real keys of each row (``starts``,
-    ``(B,)`` or ``None``) get bias 0; two channel groups instead of one, see :func:`_sink_fold_channels`
-    (``end``: the sequence's true end, which places queries and keys of static and sliding caches).
+    ``bias``: the layer's bias as one value (:class:`~hf_alibi.core.slopes.BiasSpec`; ``None``: the plain causal bias
+    of ``slopes``), of which the fold reads the sinks and the rounding; ``rows``: ``(starts, end)``, the forward's
+    (``AlibiForward.rows``), where each row's real tokens start (``(B,)`` or ``None``) and the sequence's true end
+    (which places queries and keys of static and sliding caches).
 
-    ``rounding`` (a bias rounded per key, :class:`~hf_alibi.core.slopes.KeyRounding`): ``b_j`` is its ``t(p_j)``,
+    Sinks (channel and cudnn constructions only): the first ``bias.sinks`` real keys of each row get bias 0; two
+    channel groups instead of one, see :func:`_sink_fold_channels`.
+
+    Rounding (a bias rounded per key, :class:`~hf_alibi.core.slopes.KeyRounding`): ``b_j`` is its ``t(p_j)``,
     each row's positions counted from ``starts``, on either construction (the row: no mask, so no padding).
 
     transformers' mask is used as it is: ``None`` (pure causal: ``is_causal``, with the keys cut to
@@ -271,6 +273,8 @@ def folded_causal_attention(
     Shapes ``(B, H, L, D)``; returns ``(B, q, H, D)`` like transformers' backends.
     """
     batch, heads, q_len, head_dim = query.shape
+    sinks, rounding = (0, None) if bias is None else (bias.sinks, bias.rounding)
+    starts, end = rows
     if scaling is None:
         scaling = head_dim**-0.5
     if construction is None:

@@ -77,3 +77,17 @@ def test_the_environment_forces_a_construction_where_it_can_run(monkeypatch):
     with pytest.raises(ValueError, match="HF_ALIBI_FOLD='diagonal'; expected one of"):
         fold_construction(fake_query(), None)
     assert folded.CUDNN_FIRST[0] == SDPBackend.CUDNN_ATTENTION
+
+
+def test_the_cudnn_construction_compiles_into_one_graph():
+    """torch.compile (fullgraph: torch.export needs one graph) traces the kernel choice with the call."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, H, 40, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    slopes = torch.tensor(SLOPES)
+
+    def fold(q, k, v):
+        return folded_causal_attention(None, q, k, v, None, slopes, scaling=D**-0.5, construction=CUDNN)[0]
+
+    out = torch.compile(fold, fullgraph=True, backend="aot_eager")(q, k, v)
+    ref = reference(q, k, v, D**-0.5)
+    assert (out.double() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
