@@ -66,11 +66,14 @@ def torch_score_mods() -> dict:
 
 
 def _cute_score_mods(cute, cutlass, mlir_math) -> dict:
-    # FA4 reads an aux tensor per element through a one-element fragment (its tests' score_mods do the same)
+    # a score_mod that reads aux tensors sees one score at a time (FA4's vec_size 1), and reads the tensor through a
+    # one-element register tensor (FA4's own code makes them with make_rmem_tensor, its tests with make_fragment)
+    registers = getattr(cute, "make_rmem_tensor", None) or cute.make_fragment
+
     def slope_of(h_idx, aux_tensors):
-        head = cute.make_fragment(1, cutlass.Int32)
+        head = registers(1, cutlass.Int32)
         head.store(h_idx)
-        slope = cute.make_fragment(1, cutlass.Float32)
+        slope = registers(1, cutlass.Float32)
         slope[0] = aux_tensors[0][head[0]]
         return slope.load()
 
