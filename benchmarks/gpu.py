@@ -1,24 +1,32 @@
-"""What ALiBi costs on a CUDA GPU in bf16: every hf_alibi path against the unpatched model, one table.
+"""What ALiBi costs on a CUDA GPU in bf16: every hf_alibi kernel against the fastest unpatched backend, one table.
 
     python benchmarks/gpu.py                        # GPT-2 (and Llama when hf_alibi converts it), L = 1k..16k
     python benchmarks/gpu.py --lengths 1024 4096 --repeats 3 --no-main-job
+    python benchmarks/gpu.py --types bloom mpt falcon --lengths 2048   # the models trained with ALiBi
+    bash benchmarks/gpu_session.sh                  # what a GPU session runs first (pytest -m gpu, then this)
 
-For each model (a GPT-2 of 12 layers, width 768, 12 heads; a Llama of the same size with 4 KV heads,
-included when ``"llama" in hf_alibi.supported_model_types()``), all in bf16 (weights and
-activations), and each L: one training step (forward + backward, no optimizer) time, its peak
-``torch.cuda.max_memory_allocated`` above the memory held before the step, and cached generation
-tokens/s (a prompt of L tokens, ``--new-tokens`` greedy tokens), for these arms:
+For each model (a GPT-2 of 12 layers, width 768, 12 heads; a Llama of the same size with 4 KV heads; the native
+BLOOM / MPT / Falcon-RW shapes with ``--types``), all in bf16 (weights and activations), and each L: one training step
+(forward + backward, no optimizer) time, its peak ``torch.cuda.max_memory_allocated`` above the memory held before the
+step, and cached generation tokens/s (a prompt of L tokens, ``--new-tokens`` greedy tokens), for these arms:
 
-- ``unpatched``: the stock model on ``sdpa`` (GPT-2 keeps ``wpe``, Llama its rotary embedding);
-- ``folded``: the ALiBi model on ``sdpa``, automatic path (the half-precision fold: no L x L tensor);
-- ``bias``: the same forced onto the bias tensor (``set_attention_path(model, "bias")``);
+- ``unpatched-flash``, ``unpatched-cudnn``, ``unpatched-efficient``: the stock model on ``sdpa`` with SDPA held to one
+  kernel (``sdpa_kernel``); which one PyTorch picks by itself depends on the cuDNN version, so the baseline of every
+  ratio is the fastest of the three at that length (the lowest step time, the highest tokens/s), named in the table;
+- ``fold-flash``: the ALiBi model on ``sdpa``, the fold's channel construction (``HF_ALIBI_FOLD=channel``: a q/k head
+  of 72, run by SDPA's flash kernel in its 96-wide variant); ``fold-cudnn``: the cudnn construction
+  (``HF_ALIBI_FOLD=cudnn``: q/k 72, values 64, cuDNN's attention); the automatic choice is the latter on CUDA;
+- ``fa4``: the ALiBi model on ``flash_attention_4`` (FlashAttention-4 with an ALiBi score_mod), if flash-attn-4 is
+  installed;
+- ``bias``: the ALiBi model forced onto the bias tensor (``set_attention_path(model, "bias")``);
 - ``flex``: the ALiBi model on ``flex_attention`` (``score_mod``, compiled by transformers);
 - ``flash``: the ALiBi model on ``flash_attention_2`` (flash-attn's ``alibi_slopes``), if installed.
 
-Arms are timed interleaved (one step of each, repeated), each figure the median of ``--repeats``,
-after ``--warmup`` steps (flex compiles there). Ratios are arm / unpatched (time and memory: lower is
-better; tokens/s: higher is better). An arm that runs out of memory or fails prints its error in the
-table instead of figures. ``path`` is what the ALiBi layers recorded (``AlibiBias.last_path``).
+For the native types the unpatched arms are transformers' own implementation (the reference hf_alibi must match).
+Arms are timed interleaved (one step of each, repeated), each figure the median of ``--repeats``, after ``--warmup``
+steps (flex and FA4 compile there). Ratios are arm / baseline (time and memory: lower is better; tokens/s: higher is
+better). An arm that runs out of memory or fails prints its error in the table instead of figures. ``path`` is what
+the ALiBi layers recorded (``AlibiBias.last_path``).
 
 Then the main job (``scripts/run_clm.py``, the README's command) with ``--bf16`` on the GPU instead of
 ``--use_cpu``: its wall-clock time and its perplexity ratios at 2x / 4x / 8x the training length.
@@ -36,21 +44,63 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from builders import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's hf_alibi, not another installed copy
-ARMS = ("unpatched", "folded", "bias", "flex", "flash")
+UNPATCHED = ("unpatched-flash", "unpatched-cudnn", "unpatched-efficient")
+ARMS = (*UNPATCHED, "fold-flash", "fold-cudnn", "fa4", "bias", "flex", "flash")
+FOLD_ENV = "HF_ALIBI_FOLD"  # hf_alibi.core.folded.FOLD_ENV (read here without importing torch-side code first)
 
 
 def _flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_func  # noqa: F401  (flash-attn 2; flash-attn-4 ships flash_attn.cute only)
     except ImportError:
         return False
     return True
+
+
+def _fa4_installed() -> bool:
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Arm:
+    """One arm's model and what it runs under (an SDPA kernel held, a fold construction forced)."""
+
+    model: object
+    sdpa: str | None = None  # SDPBackend name held for the unpatched arms
+    env: dict = field(default_factory=dict)
+
+    @contextmanager
+    def running(self):
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            if self.sdpa is None:
+                held = nullcontext()
+            else:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                held = sdpa_kernel(getattr(SDPBackend, self.sdpa))
+            with held:
+                yield self.model
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def build_gpt2(max_len: int, args):
@@ -80,26 +130,45 @@ BUILDERS: dict[str, Callable] = {"gpt2": build_gpt2, "llama": build_llama}
 NATIVE = {name: build_native(name) for name in ("bloom", "mpt", "falcon")}  # --types bloom mpt falcon
 
 
+def _backend(model, name: str) -> None:
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, ImportError):  # a model transformers has not marked for it: dispatch anyway
+        model.config._attn_implementation_internal = name
+
+
 def make_arm(arm: str, builder: Callable, max_len: int, args):
-    """The model of one arm on the GPU in bf16, or a string saying why it cannot run."""
+    """One arm (its model on the GPU in bf16), or a string saying why it cannot run."""
     import hf_alibi
 
+    held = {"unpatched-flash": "FLASH_ATTENTION", "unpatched-cudnn": "CUDNN_ATTENTION"}
+    held["unpatched-efficient"] = "EFFICIENT_ATTENTION"
+    if arm == "fa4" and not _fa4_installed():
+        return "flash-attn-4 not installed"
+    if arm == "flash" and not _flash_attn_installed():
+        return "flash-attn not installed"
     model = builder(max_len, args)
-    if arm != "unpatched":
-        hf_alibi.patch_model(model)
+    if arm in held:
+        model = model.to(device="cuda", dtype=torch.bfloat16)
+        own = model.config._attn_implementation
+        if own == "sdpa":
+            return Arm(model, sdpa=held[arm])
+        # a native type whose transformers class runs another backend: that one, as the one unpatched arm
+        return Arm(model) if arm == "unpatched-flash" else f"transformers runs {own!r} here, not sdpa"
+    hf_alibi.patch_model(model)
+    env = {}
     if arm == "bias":
         hf_alibi.set_attention_path(model, "bias")
+    elif arm in ("fold-flash", "fold-cudnn"):
+        env[FOLD_ENV] = "channel" if arm == "fold-flash" else "cudnn"
     elif arm == "flex":
         # hf_alibi registers its FlexAttention function; models off transformers' flex list dispatch too
         model.config._attn_implementation_internal = "flex_attention"
+    elif arm == "fa4":
+        _backend(model, "flash_attention_4")
     elif arm == "flash":
-        if not _flash_attn_installed():
-            return "flash-attn not installed"
-        try:
-            model.set_attn_implementation("flash_attention_2")
-        except (ValueError, ImportError):  # a model transformers has not marked for flash: dispatch anyway
-            model.config._attn_implementation_internal = "flash_attention_2"
-    return model.to(device="cuda", dtype=torch.bfloat16)
+        _backend(model, "flash_attention_2")
+    return Arm(model.to(device="cuda", dtype=torch.bfloat16), env=env)
 
 
 def ids(batch: int, length: int, vocab: int) -> torch.Tensor:
@@ -147,11 +216,12 @@ def measure(models: dict, fn: Callable, warmup: int, repeats: int) -> dict:
     """Interleaved: one call per arm, ``repeats`` times; each arm's median, or its error."""
     results: dict = {name: [] for name in models}
     for round_ in range(warmup + repeats):
-        for name, model in models.items():
+        for name, arm in models.items():
             if isinstance(results[name], str):
                 continue
             try:
-                value = fn(model)
+                with arm.running() as model:
+                    value = fn(model)
             except torch.cuda.OutOfMemoryError:
                 results[name] = "OOM"
                 torch.cuda.empty_cache()
@@ -172,6 +242,15 @@ def measure(models: dict, fn: Callable, warmup: int, repeats: int) -> dict:
     return out
 
 
+def _baseline(results: dict, better: Callable) -> tuple:
+    """The best unpatched arm's figures and its name, or ``(None, "none ran")``."""
+    ran = {arm: value for arm, value in results.items() if arm in UNPATCHED and not isinstance(value, str)}
+    if not ran:
+        return None, "none ran"
+    best = max(ran, key=lambda arm: better(ran[arm]))
+    return ran[best], best
+
+
 def run_model(model_type: str, args) -> None:
     builder = {**BUILDERS, **NATIVE}[model_type]
     max_len = max(args.lengths) + args.new_tokens
@@ -184,24 +263,25 @@ def run_model(model_type: str, args) -> None:
     for length in args.lengths:
         batch = ids(args.batch, length, args.vocab)
         train = measure(models, lambda m, b=batch: train_step(m, b), args.warmup, args.repeats)
-        step_paths = {name: paths(model) for name, model in models.items()}
+        step_paths = {name: paths(arm.model) for name, arm in models.items()}
         prompt = ids(1, length, args.vocab)
         gen = measure(models, lambda m, p=prompt: generate_rate(m, p, args.new_tokens), 1, args.gen_repeats)
-        base_t = train.get("unpatched")
-        base_g = gen.get("unpatched")
+        base_t, base_t_arm = _baseline(train, lambda t: -t[0])  # the fastest unpatched backend at this length
+        base_g, base_g_arm = _baseline(gen, lambda g: g)
         for arm in models:
             t, g = train[arm], gen[arm]
             if isinstance(t, str):
                 time_cells = f"{t} | | | "
             else:
-                ratio = f"{t[0] / base_t[0]:.3f}" if isinstance(base_t, tuple) else "n/a"
-                mem = f"{t[1] / base_t[1]:.3f}" if isinstance(base_t, tuple) else "n/a"
+                ratio = f"{t[0] / base_t[0]:.3f}" if base_t else "n/a"
+                mem = f"{t[1] / base_t[1]:.3f}" if base_t else "n/a"
                 time_cells = f"{t[0]:.1f} | {ratio} | {t[1]:.0f} | {mem}"
             if isinstance(g, str):
                 gen_cells = f"{g} | "
             else:
-                gen_cells = f"{g:.1f} | " + (f"{g / base_g:.3f}" if isinstance(base_g, float) else "n/a")
+                gen_cells = f"{g:.1f} | " + (f"{g / base_g:.3f}" if base_g else "n/a")
             print(f"| {model_type} | {length} | {arm} | {time_cells} | {gen_cells} | {step_paths[arm]} |", flush=True)
+        print(f"| {model_type} | {length} | baseline: train {base_t_arm}, generation {base_g_arm} | | | | | | | |")
     del models
     torch.cuda.empty_cache()
 
@@ -254,12 +334,14 @@ def main() -> None:
 
     import hf_alibi
 
-    if "unpatched" not in args.arms:
-        args.arms.insert(0, "unpatched")  # every ratio is against it
+    for arm in reversed(UNPATCHED):
+        if arm not in args.arms:
+            args.arms.insert(0, arm)  # every ratio is against the fastest of them
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"bf16, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
-        f"median of {args.repeats} (generation {args.gen_repeats}), interleaved; "
+        f"cuDNN {torch.backends.cudnn.version()}, median of {args.repeats} (generation {args.gen_repeats}), "
+        f"interleaved; "
         f"hf_alibi from {os.path.dirname(hf_alibi.__file__)}"
     )
     print("| model | L | arm | train step ms | / unpatched | peak MB | / unpatched | gen tok/s | / unpatched | path |")

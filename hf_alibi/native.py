@@ -28,7 +28,6 @@ from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
 from .core.compat import is_exporting
 from .core.config import rebind_config
-from .core.flash import flash_refusal
 from .core.forward import (
     KEYWORD,
     CheckpointsInForward,
@@ -39,6 +38,7 @@ from .core.forward import (
     forward_of,
     hook_base,
 )
+from .core.kernels import PADDING, kernel, kernel_refusal
 from .core.mask import attends
 from .core.names import RUNNING_BACKENDS, alibi_name, check_backend
 from .core.slopes import CAUSAL, KeyRounding, get_slopes_list, mpt_slopes_list
@@ -195,6 +195,12 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     return model
 
 
+def _takes_padding_mask(name: str | None) -> bool:
+    # the flash kernels of the table take the 2D padding mask, not the 4D one
+    row = kernel(name)
+    return row is not None and row.mask == PADDING
+
+
 class NativeAlibiAttention(nn.Module):
     """The forward of a native row's self-attention module, placed before the model's own class: q, k, v from the
     fused projection in the row's layout, the cache updated, the attention interface called with the row's scale
@@ -214,7 +220,7 @@ class NativeAlibiAttention(nn.Module):
         mask = values.get("attention_mask")
         if row.boolean_mask and is_causal_mark(mask):
             mask = None  # causality is all that masks: the backends' causal case (the fold's fastest form)
-        elif row.boolean_mask and mask is not None and backend.startswith("flash"):
+        elif row.boolean_mask and mask is not None and _takes_padding_mask(backend):
             mask = mask[:, 0, -1, :]  # flash-attn takes the 2D padding mask: the boolean one's last query's row
         batch, length, _ = hidden_states.shape
         heads, head_dim = self.alibi.num_heads, self.head_dim
@@ -313,10 +319,10 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         for name in attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]:
             if isinstance(name, str):
                 check_backend(name, what_runs(self))
-                if name.startswith("flash"):  # before the model is switched: what the kernel would refuse
-                    reason = flash_refusal(next(m for m in self.modules() if isinstance(m, AlibiBias)))
-                    if reason is not None:
-                        raise ValueError(reason)
+                # before the model is switched: what the kernel would refuse (the kernel table's row)
+                reason = kernel_refusal(name, next(m for m in self.modules() if isinstance(m, AlibiBias)))
+                if reason is not None:
+                    raise ValueError(reason)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):

@@ -30,11 +30,10 @@ from .compat import (
     paged_layer_window,
     stored_attn_implementation,
 )
-from .names import alibi_name, base_name, check_backend
-from .slopes import CAUSAL, KeyRounding, is_sink
+from .kernels import check_backend, paged_refusal
+from .names import alibi_name, base_name
+from .slopes import CAUSAL, BiasSpec, is_sink
 
-# The backends whose ALiBi path takes one additive mask: the paged path's bias goes there.
-PAGED_BACKENDS = ("sdpa", "eager")
 # What continuous batching passes a model's forward for its layers: each layer's ``cache.update(key, value,
 # layer_idx, kwargs)`` narrows the per-kind entries (cu_seq_lens_k, max_length_k) to its own and reads the indices
 LAYER_ARGUMENTS = (
@@ -78,30 +77,30 @@ def paged_batch(cache, kwargs: dict) -> PagedBatch | None:
 
 
 def paged_bias(
-    slopes: torch.Tensor,
+    spec: BiasSpec,
     positions: torch.Tensor,
     cu_seq_lens_q: torch.Tensor,
     cu_seq_lens_k: torch.Tensor,
     kv_len: int,
     window: int | None,
-    sinks: int,
     masked_value: float,
-    rounding: KeyRounding | None = None,
 ) -> torch.Tensor:
-    """The causal ALiBi bias with continuous batching's mask, fp32 ``(1, H, Q, kv_len)``.
+    """The causal ALiBi bias ``spec`` (its slopes, sinks and rounding) with continuous batching's mask, fp32
+    ``(1, H, Q, kv_len)`` on the device of ``positions``.
 
     Query ``i`` is at ``positions[i]`` in request ``r`` (``cu_seq_lens_q[r] <= i < cu_seq_lens_q[r + 1]``); the keys
     ``cu_seq_lens_k[r] <= j < cu_seq_lens_k[r + 1]`` are request ``r``'s, in position order, the last one at the
     request's last query. Tokens past the last request (padding) see nothing.
 
-    >>> paged_bias(torch.tensor([1.0]), torch.tensor([2, 0, 1]), torch.tensor([0, 1, 3]), torch.tensor([0, 3, 5]),
-    ...            5, None, 0, float("-inf"))[0, 0]
+    >>> paged_bias(BiasSpec("causal", (1.0,)), torch.tensor([2, 0, 1]), torch.tensor([0, 1, 3]),
+    ...            torch.tensor([0, 3, 5]), 5, None, float("-inf"))[0, 0]
     tensor([[-2., -1., -0., -inf, -inf],
             [-inf, -inf, -inf, -0., -inf],
             [-inf, -inf, -inf, -1., -0.]])
     """
-    device = slopes.device
-    positions = positions.to(device)
+    device = positions.device
+    slopes = torch.tensor(spec.slopes, dtype=torch.float32, device=device)  # once per step and layer kind
+    sinks, rounding = spec.sinks, spec.rounding
     cu_q, cu_k = cu_seq_lens_q.to(device=device, dtype=positions.dtype), cu_seq_lens_k.to(device, positions.dtype)
     q_len = positions.numel()
     q_index = torch.arange(q_len, device=device, dtype=cu_q.dtype)
@@ -141,13 +140,13 @@ def paged_bias_mask(forward, alibi, module, query: torch.Tensor, kv_len: int, kw
         raise ValueError("A continuous-batching attention call came without its layer's cu_seq_lens_k.")
     window = paged_layer_window(batch.cache, module.layer_idx)
     dtype = query.dtype
-    key = (window, alibi.slope_values, alibi.rounding, alibi.sinks, query.shape[2], kv_len, query.device, dtype)
+    key = (window, alibi.spec, query.shape[2], kv_len, query.device, dtype)  # the bias as one value: its spec
 
     def build() -> torch.Tensor:
+        positions = batch.positions.to(query.device)
         bias = paged_bias(
-            alibi.fixed_slopes(query.device), batch.positions, batch.cu_seq_lens_q, cu_seq_lens_k, kv_len, window,
-            alibi.sinks, torch.finfo(dtype).min, alibi.rounding,
-        )  # fmt: skip
+            alibi.spec, positions, batch.cu_seq_lens_q, cu_seq_lens_k, kv_len, window, torch.finfo(dtype).min
+        )
         return bias.to(dtype)
 
     # the layers of one kind get the same cu_seq_lens_k tensor from transformers' paged cache
@@ -160,12 +159,9 @@ def check_continuous_batching(model) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("Continuous batching runs decoder-only models; use generate() for this encoder-decoder.")
     check_backend(stored_attn_implementation(config))  # another engine's name, written past the setter
-    backend = base_name(config._attn_implementation)
-    if backend not in PAGED_BACKENDS:
-        raise ValueError(
-            f"Continuous batching has an ALiBi path for attn_implementation 'sdpa' and 'eager', not {backend!r}: "
-            "call model.set_attn_implementation('sdpa') (or 'eager') first."
-        )
+    reason = paged_refusal(config._attn_implementation)  # the kernel table's paged backends take the bias here
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_manager_config(continuous_batching_config) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from .compat import is_exporting
 from .forward import SharedByLayers
 from .mask import decoding_row
-from .slopes import BIAS_KINDS, CAUSAL, LEARNED, KeyRounding, alibi_bias, check_rounding, get_slopes_list, offsets
+from .slopes import BIAS_KINDS, CAUSAL, LEARNED, BiasSpec, KeyRounding, alibi_bias, get_slopes_list, offsets
 
 # How the sdpa backend applies the bias (see ``dispatch.choose_path``): "folded" puts the causal bias
 # into extra q/k channels and keeps SDPA's causal kernel (no L x L tensor); "bias" builds the bias
@@ -54,13 +56,10 @@ class AlibiBias(nn.Module):
             raise ValueError(f"Unknown ALiBi bias kind {kind!r}; expected one of {BIAS_KINDS}.")
         if slopes is not None and len(slopes) != num_heads:
             raise ValueError(f"ALiBi needs one slope per head: {num_heads}, got {len(slopes)}.")
-        self.kind = kind
         self.num_heads = num_heads
-        self.slope_values = tuple(get_slopes_list(num_heads) if slopes is None else (float(s) for s in slopes))
-        if rounding is not None:
-            check_rounding(kind, sinks)
-        self.sinks = sinks
-        self.rounding = rounding  # the bias rounded per key (Falcon's code), rendered by every path
+        values = tuple(get_slopes_list(num_heads) if slopes is None else (float(s) for s in slopes))
+        # what this layer adds, one value (slopes.BiasSpec); kind, slope_values, sinks and rounding read and set it
+        self.spec = BiasSpec(kind, values, sinks, rounding)  # rounding: the bias rounded per key (Falcon's code)
         self.path = path
         self.last_path: str | None = None
         self.shared = SharedByLayers() if shared is None else shared
@@ -132,6 +131,32 @@ class AlibiBias(nn.Module):
         return (table[:, key_offset : key_offset + kv_len] - table[:, query : query + 1])[None, :, None, :]
 
     @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def slope_values(self) -> tuple[float, ...]:
+        return self.spec.slopes
+
+    @property
+    def sinks(self) -> int:
+        return self.spec.sinks
+
+    @sinks.setter
+    def sinks(self, value: int) -> None:
+        self.spec = replace(self.spec, sinks=value)
+        self._set_sharing()
+
+    @property
+    def rounding(self) -> KeyRounding | None:
+        return self.spec.rounding
+
+    @rounding.setter
+    def rounding(self, value: KeyRounding | None) -> None:
+        self.spec = replace(self.spec, rounding=value)
+        self._set_sharing()
+
+    @property
     def path(self) -> str:
         return self._path
 
@@ -140,8 +165,12 @@ class AlibiBias(nn.Module):
         if value not in PATHS:
             raise ValueError(f"ALiBi path must be one of {PATHS}, got {value!r}.")
         self._path = value
-        # what layers that may share a merged mask have in common (mask.shared_mask); the learned form shares none
-        self.sharing = None if self.kind == LEARNED else (self.kind, self.slope_values, self.rounding, value)
+        self._set_sharing()
+
+    def _set_sharing(self) -> None:
+        # what layers that may share a merged mask have in common (mask.shared_mask): the bias (one value, its spec)
+        # and the path setting; the learned form shares none (its slopes are its own parameters)
+        self.sharing = None if self.spec.kind == LEARNED else (self.spec, self._path)
 
     def learned_slopes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned form's (left, right) slopes, fp32 and negative, with their gradients."""

@@ -27,12 +27,14 @@ from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .denormals import bracket, flushed
 from .dense import eager_attention_forward, sdpa_attention_forward
+from .fa4 import fa4_alibi_attention
 from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .forward import forward_of
+from .kernels import KERNELS, MERGED, RUNNING_BACKENDS, WHAT_RUNS, check_backend, paged_refusal
 from .mask import bias_mask, packed_causal_mask, shared_mask
-from .names import FOREIGN, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, alibi_name, check_backend
+from .names import FOREIGN, alibi_name
 from .slopes import CAUSAL
 
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
@@ -61,9 +63,11 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
     Performance): the fold (row construction) costs 0.96 to 1.04 of the unpatched model's training
     step in bf16 and fp32 where the bias path costs up to 2x; with a mask (channel construction) it
     is below the bias path from 256 queries and within noise of it at 32 to 128; it never builds an
-    L x L tensor. CUDA is chosen by construction, not yet measured (``benchmarks/gpu.py``). While ``torch.export`` or
-    ``torch.compile`` traces, the query count is not looked at (it would become a guard that rejects
-    other lengths): the fold is taken wherever it is exact.
+    L x L tensor. On CUDA the fold costs 1.26-1.35 of the unpatched GPT-2 step on SDPA's flash kernel (H100,
+    docs/performance.md); its cudnn construction (``folded.fold_construction``) is chosen there by construction,
+    pending measurement (``benchmarks/gpu_session.sh``). While ``torch.export`` or ``torch.compile`` traces, the
+    query count is not looked at (it would become a guard that rejects other lengths): the fold is taken wherever
+    it is exact.
 
     ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
     where it would be wrong raises instead of computing something else.
@@ -136,11 +140,10 @@ def _choose_and_run(
         alibi.last_path = path
     if path == FOLDED:
         attention_mask = packed_causal_mask(forward, query, key.shape[2], attention_mask)
-        starts, end = forward.rows(alibi)
         run = partial(
             folded_causal_attention, module, attention_mask=attention_mask,
             slopes=alibi.fixed_slopes(query.device), dropout=kwargs.get("dropout", 0.0),
-            scaling=kwargs.get("scaling"), sinks=alibi.sinks, starts=starts, end=end, rounding=alibi.rounding,
+            scaling=kwargs.get("scaling"), bias=alibi.spec, rows=forward.rows(alibi),
         )  # fmt: skip
         return _flushed_kernel(run, query, key, value)
     q_len = query.shape[2]
@@ -187,10 +190,7 @@ def make_native_attention(alibi_backend: Callable, plain_backend_name: str) -> C
         if alibi is None:  # cross-attention: no position bias
             return ALL_ATTENTION_FUNCTIONS[plain_backend_name](module, query, key, value, attention_mask, **kwargs)
         if forward.paged is not None:  # the manager refuses these backends; switched to one while it ran
-            raise ValueError(
-                f"Continuous batching has an ALiBi path for attn_implementation 'sdpa' and 'eager', not "
-                f"{plain_backend_name!r}: call model.set_attn_implementation('sdpa') first."
-            )
+            raise ValueError(paged_refusal(plain_backend_name))
         return alibi_backend(module, query, key, value, attention_mask, forward=forward, **kwargs)
 
     return attention_forward
@@ -220,36 +220,35 @@ def _unsupported_backend(name: str) -> Callable:
     return forward
 
 
-# backend name -> attention function that receives the merged float mask (bias + padding + causality), dense.py
-BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward}
-# what layers without ALiBi (cross-attention) run, with transformers' own mask: transformers' sdpa under its public
-# name; for eager transformers shares no function (each model has its own), and dense.py's adds the additive float
-# mask transformers makes for eager as the models' own functions do
-PLAIN_BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
-# backends that apply the bias themselves, from the slopes (no bias tensor)
-NATIVE_BACKENDS: dict[str, Callable] = {
-    "flex_attention": flex_alibi_attention,
-    "flash_attention_2": flash_alibi_attention,
+# the kernels' ALiBi functions, each bound to its row of the table by the name the row gives (kernels.py); their
+# imports are what make save_pretrained copy the kernels' files (transformers follows relative imports)
+_IMPORTED = (
+    eager_attention_forward, sdpa_attention_forward, flex_alibi_attention, flash_alibi_attention, fa4_alibi_attention,
+)  # fmt: skip
+FUNCTIONS: dict[str, Callable] = {
+    row.name: {function.__name__: function for function in _IMPORTED}[row.function] for row in KERNELS if row.runs
 }
-# transformers' names that hf_alibi knows of but cannot run with ALiBi yet: a clear error
-# instead of transformers' "not a valid attention implementation".
-UNSUPPORTED_BACKENDS = REFUSED_BACKENDS
-if set(BACKENDS) | set(NATIVE_BACKENDS) != set(RUNNING_BACKENDS):  # names.py is what the config code checks
-    raise ImportError("hf_alibi: names.RUNNING_BACKENDS must list exactly the backends dispatch.py registers")
+# what layers without ALiBi (cross-attention) run with a merged-mask kernel, with transformers' own mask:
+# transformers' sdpa under its public name; for eager transformers shares no function (each model has its own), and
+# dense.py's adds the additive float mask transformers makes for eager as the models' own functions do
+PLAIN_BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
 
 
 def register_backends() -> None:
-    """Add ``alibi_<backend>`` to transformers' attention and mask interfaces (idempotent)."""
-    for name, attention in BACKENDS.items():
-        AttentionInterface.register(alibi_name(name), make_alibi_attention(name, attention, PLAIN_BACKENDS[name]))
-        AttentionMaskInterface.register(alibi_name(name), base_mask_function(name))
-    for name, attention in NATIVE_BACKENDS.items():
-        AttentionInterface.register(alibi_name(name), make_native_attention(attention, name))
-    for name in UNSUPPORTED_BACKENDS:
-        AttentionInterface.register(alibi_name(name), _unsupported_backend(name))
+    """Add ``alibi_<backend>`` to transformers' attention and mask interfaces for every row of the kernel table
+    (idempotent): a merged-mask kernel wrapped with the bias, a kernel that renders the bias itself handed the
+    layer's forward, a known but refused name a one-line error."""
+    for row in KERNELS:
+        name = row.name
+        if not row.runs:
+            AttentionInterface.register(alibi_name(name), _unsupported_backend(name))
+        elif row.mask == MERGED:
+            attention = make_alibi_attention(name, FUNCTIONS[name], PLAIN_BACKENDS[name])
+            AttentionInterface.register(alibi_name(name), attention)
+        else:
+            AttentionInterface.register(alibi_name(name), make_native_attention(FUNCTIONS[name], name))
+        mask = base_mask_function(name)
+        if mask is not None or row.mask == MERGED:
+            AttentionMaskInterface.register(alibi_name(name), mask)
     AttentionInterface.register(alibi_name(FOREIGN), _foreign_backend)
     AttentionMaskInterface.register(alibi_name(FOREIGN), _foreign_mask)
-    for name in (*NATIVE_BACKENDS, *UNSUPPORTED_BACKENDS):
-        mask = base_mask_function(name)
-        if mask is not None:
-            AttentionMaskInterface.register(alibi_name(name), mask)

@@ -1,14 +1,19 @@
-"""flash-attn: its own ALiBi (fp32 ``alibi_slopes``), causal and symmetric."""
+"""flash-attn: its own ALiBi (fp32 ``alibi_slopes``), causal and symmetric; and the flash layout (padding and packed
+rows as variable-length sequences) that the flash kernels of the table share."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from .compat import flash_padding_helpers
 from .forward import AlibiForward
+from .kernels import kernel_refusal
 from .packing import cumulative_lengths, same_document
-from .slopes import CAUSAL, SYMMETRIC
+from .slopes import CAUSAL
 
 
 def flash_kernels(device: torch.device) -> tuple:
@@ -27,27 +32,38 @@ def flash_kernels(device: torch.device) -> tuple:
     return flash_attn_func, flash_attn_varlen_func
 
 
-def flash_refusal(alibi) -> str | None:
-    """Why flash-attn cannot render this layer's bias, in one line (what to use instead), else ``None``: its kernel
-    adds ``-m |i - j|`` itself, in fp32, so only the causal and symmetric forms, no sinks (exempting some keys would
-    need a second pass over them, merged by log-sum-exp), no bias rounded per key (Falcon's). Asked by the kernel
-    and, for the models trained with ALiBi, by ``set_attn_implementation`` (``native.py``)."""
-    if alibi.kind not in (CAUSAL, SYMMETRIC):
-        return (
-            f"flash-attn's ALiBi has no {alibi.kind!r} form (only causal and symmetric): "
-            "use model.set_attn_implementation('sdpa')."
-        )
-    if alibi.sinks:
-        return (
-            f"flash-attn's ALiBi cannot exempt the first {alibi.sinks} keys (sinks): "
-            "use model.set_attn_implementation('sdpa') (or 'flex_attention') for this model."
-        )
-    if alibi.rounding is not None:
-        return (
-            f"flash-attn's ALiBi cannot round each key's bias to {alibi.rounding.dtype} as this model's own code does "
-            "(Falcon): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
-        )
-    return None
+def in_flash_layout(
+    dense: Callable,
+    varlen: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask,
+    documents,
+    kwargs: dict,
+) -> torch.Tensor:
+    """A flash kernel run on transformers' flash arguments, ``(B, q, H, D)``: ``dense(q, k, v)`` on whole rows, or
+    ``varlen(q, k, v, cu_q, cu_k, max_q, max_k)`` (flash-attn's positional order) with one sequence per row's real
+    tokens (``attention_mask``: transformers' 2D padding mask) or per document of a packed row (``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` where the caller gives them, else ``documents``, :func:`packing.document_starts`). q, k, v are
+    ``(B, L, H, D)``. Shared by the flash kernels of the table (flash-attn 2, FlashAttention-4)."""
+    upad_input, unpad_input, pad_input = flash_padding_helpers()
+    batch, q_len = q.shape[:2]
+    cu_given = kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+    if attention_mask is None and (documents is not None or cu_given):  # a packed row: one sequence a document
+        if cu_given:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) and TRL give them
+            cu_q, cu_k = (kwargs[f"cu_seq_lens_{side}"].to(device=q.device, dtype=torch.int32) for side in "qk")
+            max_q, max_k = (int(cu.diff().max()) for cu in (cu_q, cu_k))
+        else:
+            same_document(documents, q_len, k.shape[1])  # checks the lengths
+            cu_q, max_q = cumulative_lengths(documents.to(q.device), batch)
+            cu_k, max_k = cu_q, max_q
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # (B * L, H, D)
+        return varlen(*flat, cu_q, cu_k, max_q, max_k).reshape(batch, q_len, *q.shape[2:])
+    if attention_mask is None:
+        return dense(q, k, v)
+    q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = upad_input(q, k, v, attention_mask, q_len, unpad_input)
+    return pad_input(varlen(q, k, v, cu_q, cu_k, max_q, max_k), indices, batch, q_len)
 
 
 def flash_alibi_attention(
@@ -75,41 +91,24 @@ def flash_alibi_attention(
     """
     alibi = module.alibi
     alibi.check_heads(query)
-    reason = flash_refusal(alibi)
+    reason = kernel_refusal("flash_attention_2", alibi)
     if reason is not None:
         raise NotImplementedError(reason)
     flash_attn_func, flash_attn_varlen_func = flash_kernels(query.device)
-    upad_input, unpad_input, pad_input = flash_padding_helpers()
-
     if not module.training:
         dropout = 0.0
     causal = alibi.kind == CAUSAL
     slopes = alibi.fixed_slopes(query.device)  # fp32, as flash-attn requires
     half = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     q, k, v = (t.transpose(1, 2).to(half) for t in (query, key, value))  # (B, L, H, D)
-    batch, q_len = q.shape[:2]
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, alibi_slopes=slopes)
     if sliding_window is not None:
         options["window_size"] = (sliding_window - 1, sliding_window - 1)  # as transformers' flash path
     if softcap is not None:
         options["softcap"] = softcap
     documents = None if forward is None else forward.documents
-    cu_given = kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
-    if attention_mask is None and (documents is not None or cu_given):  # a packed row: one sequence a document
-        if cu_given:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) and TRL give them
-            cu_q, cu_k = (kwargs[f"cu_seq_lens_{side}"].to(device=q.device, dtype=torch.int32) for side in "qk")
-            max_q, max_k = (int(cu.diff().max()) for cu in (cu_q, cu_k))
-        else:
-            same_document(documents, q_len, k.shape[1])  # checks the lengths
-            cu_q, max_q = cumulative_lengths(documents.to(q.device), batch)
-            cu_k, max_k = cu_q, max_q
-        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]  # (B * L, H, D)
-        output = flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).reshape(batch, q_len, *q.shape[2:])
-    elif attention_mask is None:
-        output = flash_attn_func(q, k, v, **options)
-    else:
-        q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = upad_input(q, k, v, attention_mask, q_len, unpad_input)
-        output = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
-        output = pad_input(output, indices, batch, q_len)
+    dense = partial(flash_attn_func, **options)
+    varlen = partial(flash_attn_varlen_func, **options)
+    output = in_flash_layout(dense, varlen, q, k, v, attention_mask, documents, kwargs)
     alibi.last_path = "flash"
     return output.to(query.dtype), None

@@ -7,18 +7,27 @@ Two constructions of the same thing (see :func:`folded_causal_attention`):
   q, k, v untouched, no copies; fp32, fp64, bf16 and fp16 alike.
 * "channel": any SDPA kernel: q gets channels of 1, k the bias as channels (fp32: one channel; bf16 /
   fp16: three half-precision parts whose sum is the fp32 channel), head size padded to a multiple of 8.
+* "cudnn": the channel construction on cuDNN's attention (CUDA, half precision), values unpadded: a q/k head of 72
+  with values of 64, where SDPA's flash kernel runs every head of 72 in its 96-wide variant.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .compat import cpu_flash_attention, cpu_flash_attention_shares_kv_heads, repeat_kv
-from .slopes import CAUSAL, KeyRounding, offsets, row_positions, sink_keys
+from .slopes import CAUSAL, BiasSpec, KeyRounding, offsets, row_positions, sink_keys
 
-ROW, CHANNEL = "row", "channel"
-FOLD_CONSTRUCTIONS = (ROW, CHANNEL)
+ROW, CHANNEL, CUDNN = "row", "channel", "cudnn"
+FOLD_CONSTRUCTIONS = (ROW, CHANNEL, CUDNN)
+# Forces a construction where it can run (e.g. HF_ALIBI_FOLD=channel: the benchmark's fold on SDPA's flash kernel)
+FOLD_ENV = "HF_ALIBI_FOLD"
+# the widest q/k head cuDNN's attention takes on every GPU it runs on (Ampere and later)
+CUDNN_MAX_HEAD = 128
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # half-precision parts of the channel: 3 x 8 bits (bf16) or 3 x 11 bits (fp16) >= fp32's 24 bits
 HALF_PARTS = 3
@@ -27,6 +36,8 @@ HALF_PARTS = 3
 FP16_CHANNEL_LIMIT = 2.0**14
 # the head size fast kernels accept (CUDA flash / memory-efficient: a multiple of 8)
 HEAD_MULTIPLE = 8
+# cuDNN's attention first; the memory-efficient and math kernels (which also take narrower values) where it declines
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _CPU_FLASH = cpu_flash_attention()
 _CPU_FLASH_GQA = cpu_flash_attention_shares_kv_heads()
 
@@ -60,10 +71,34 @@ def folded_unavailable(alibi, query: torch.Tensor, attention_mask, kwargs: dict)
     return None
 
 
+def cudnn_fold_available(query: torch.Tensor, attention_mask, dropout: float, channels: int = HALF_PARTS) -> bool:
+    """Whether the cuDNN construction can run: CUDA, bf16 or fp16, causal without a mask, no dropout, cuDNN's
+    attention enabled in this torch, and the q/k head with the fold's ``channels`` at most :data:`CUDNN_MAX_HEAD`."""
+    return (
+        query.device.type == "cuda"
+        and query.dtype in HALF_DTYPES
+        and attention_mask is None
+        and dropout == 0.0
+        and getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)()
+        and query.shape[-1] + channels <= CUDNN_MAX_HEAD
+    )
+
+
 def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0, sinks: int = 0) -> str:
     """``"row"`` where torch's CPU flash kernel can add the bias row itself (CPU, no mask from
-    transformers, no dropout: that kernel has none, no sinks: their term depends on the query), else
-    ``"channel"``."""
+    transformers, no dropout: that kernel has none, no sinks: their term depends on the query);
+    ``"cudnn"`` on CUDA in half precision where cuDNN's attention can run (:func:`cudnn_fold_available`): it takes
+    the fold's wider q/k head (64 + 3 channels, padded to 72) with values of 64, where SDPA's flash kernel pads
+    every head to its 96-wide variant. By construction, pending measurement (``benchmarks/gpu.py``). Else
+    ``"channel"``. ``HF_ALIBI_FOLD`` forces one where it can run."""
+    forced = os.environ.get(FOLD_ENV)
+    if forced:
+        if forced not in FOLD_CONSTRUCTIONS:
+            raise ValueError(f"{FOLD_ENV}={forced!r}; expected one of {FOLD_CONSTRUCTIONS}.")
+        if forced == CHANNEL or (forced == CUDNN and cudnn_fold_available(query, attention_mask, dropout)):
+            return forced
+    if cudnn_fold_available(query, attention_mask, dropout):
+        return CUDNN
     if (
         query.device.type == "cpu"
         and attention_mask is None
@@ -184,10 +219,8 @@ def folded_causal_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     construction: str | None = None,
-    sinks: int = 0,
-    starts: torch.Tensor | None = None,
-    end: int | None = None,
-    rounding: KeyRounding | None = None,
+    bias: BiasSpec | None = None,
+    rows: tuple = (None, None),
 ) -> tuple[torch.Tensor, None]:
     """Causal ALiBi through SDPA's causal kernel with no L x L tensor, in fp32, fp64, bf16 or fp16.
 
@@ -220,11 +253,18 @@ def folded_causal_attention(
     below bf16's own rounding of q, k, v and the probabilities (``2^-8 = 4e-3``); fp16's
     (``2^-11 = 5e-4``) is of the same size there.
 
-    ``sinks > 0`` (channel construction only): the first ``sinks`` real keys of each row (``starts``,
-    ``(B,)`` or ``None``) get bias 0; two channel groups instead of one, see :func:`_sink_fold_channels`
-    (``end``: the sequence's true end, which places queries and keys of static and sliding caches).
+    ``"cudnn"`` (CUDA, half precision, no mask): the channel construction with values left at their width, run by
+    cuDNN's attention (``SDPBackend.CUDNN_ATTENTION``, which takes q/k heads wider than v's); the same error bound.
 
-    ``rounding`` (a bias rounded per key, :class:`~hf_alibi.core.slopes.KeyRounding`): ``b_j`` is its ``t(p_j)``,
+    ``bias``: the layer's bias as one value (:class:`~hf_alibi.core.slopes.BiasSpec`; ``None``: the plain causal bias
+    of ``slopes``), of which the fold reads the sinks and the rounding; ``rows``: ``(starts, end)``, the forward's
+    (``AlibiForward.rows``), where each row's real tokens start (``(B,)`` or ``None``) and the sequence's true end
+    (which places queries and keys of static and sliding caches).
+
+    Sinks (channel and cudnn constructions only): the first ``bias.sinks`` real keys of each row get bias 0; two
+    channel groups instead of one, see :func:`_sink_fold_channels`.
+
+    Rounding (a bias rounded per key, :class:`~hf_alibi.core.slopes.KeyRounding`): ``b_j`` is its ``t(p_j)``,
     each row's positions counted from ``starts``, on either construction (the row: no mask, so no padding).
 
     transformers' mask is used as it is: ``None`` (pure causal: ``is_causal``, with the keys cut to
@@ -233,6 +273,8 @@ def folded_causal_attention(
     Shapes ``(B, H, L, D)``; returns ``(B, q, H, D)`` like transformers' backends.
     """
     batch, heads, q_len, head_dim = query.shape
+    sinks, rounding = (0, None) if bias is None else (bias.sinks, bias.rounding)
+    starts, end = rows
     if scaling is None:
         scaling = head_dim**-0.5
     if construction is None:
@@ -290,6 +332,12 @@ def folded_causal_attention(
         k_extra.append(key.new_zeros(()).expand(batch, heads, kv_len, zeros))
     query = torch.cat([query, *q_extra], dim=-1)  # (B, H, q, D')
     key = torch.cat([key, *k_extra], dim=-1)
+    if construction == CUDNN:  # cuDNN takes values narrower than q and k: no padding, no copy, no slicing
+        with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+            output = nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
+            )  # (B, H, q, D)
+        return output.transpose(1, 2).contiguous(), None
     value = nn.functional.pad(value, (0, padded - head_dim))
     output = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal

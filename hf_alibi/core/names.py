@@ -1,12 +1,15 @@
-"""The names a user and the config code pass around, with no import: the bias forms, a converted model's type
-(``alibi_<type>``, :func:`is_alibi`), and the attention implementation names hf_alibi registers
-(``alibi_<backend>``, or ``alibi_remote_<backend>`` for a checkpoint's copy of this code). Kept apart from the
-kernels so that the config code, the settings and the command line's parser can name them without importing
-torch."""
+"""The names a user and the config code pass around: the bias forms, a converted model's type (``alibi_<type>``,
+:func:`is_alibi`), and the attention implementation names hf_alibi registers (``alibi_<backend>``, or
+``alibi_remote_<backend>`` for a checkpoint's copy of this code), with the backends' table (``kernels.py``) that
+:func:`check_backend` reads. Kept apart from the kernels' code, importing only that torch-free table, so that the
+config code, the settings and the command line's parser can name them without importing torch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+# the kernel table (torch-free too): each backend's abilities, written once; re-exported for the config code
+from .kernels import _ALL_FORMS, REFUSED_BACKENDS, RUNNING_BACKENDS, WHAT_RUNS, check_backend  # noqa: F401
 
 # the bias forms (slopes.py builds each): causal self-attention, and the bidirectional (encoder) variants
 CAUSAL = "causal"
@@ -15,20 +18,13 @@ NONSYMMETRIC = "nonsymmetric"
 LEARNED = "learned"
 ENCODER_VARIANTS = (SYMMETRIC, NONSYMMETRIC, LEARNED)
 BIAS_KINDS = (CAUSAL, *ENCODER_VARIANTS)
+if BIAS_KINDS != _ALL_FORMS:  # kernels.py spells them to import nothing
+    raise ImportError("hf_alibi: kernels.py's forms must be names.BIAS_KINDS")
 
 LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
 MODEL_TYPE_PREFIX = "alibi_"  # a converted model's type: alibi_<type>
-# transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known
-# by name but refused when called; any other name is refused when set (:func:`check_backend`)
-RUNNING_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
-REFUSED_BACKENDS = ("flash_attention_3", "flash_attention_4")
 # what a stored name that no hf_alibi path knows is dispatched to (an engine that wrote it past the setter)
 FOREIGN = "foreign"
-WHAT_RUNS = (
-    f"a converted model runs with attn_implementation {', '.join(repr(b) for b in RUNNING_BACKENDS)} in "
-    "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), or in llama.cpp and what is built on "
-    "it after `hf-alibi export-gguf`"
-)
 # this copy's prefix: the library's own core, or the remote code a checkpoint carries
 PREFIX = LIBRARY_PREFIX if __name__.startswith("hf_alibi.") else REMOTE_PREFIX
 
@@ -53,23 +49,6 @@ def base_name(name: str | None) -> str | None:
     if name is None:
         return None
     return name.removeprefix(REMOTE_PREFIX).removeprefix(LIBRARY_PREFIX)
-
-
-def check_backend(name: str | None, what_runs: str = WHAT_RUNS) -> None:
-    """One-line ``ValueError`` for an attention implementation with no ALiBi path (another engine's function, a
-    hub kernel, a future backend): it would run the model without its position bias. ``what_runs`` ends the message
-    (default: what a converted model runs with; a model trained with ALiBi says its own, ``hf_alibi.native``).
-
-    >>> check_backend("vllm")  # doctest: +IGNORE_EXCEPTION_DETAIL
-    Traceback (most recent call last):
-    ValueError: ...
-    """
-    if name is None or base_name(name) in (*RUNNING_BACKENDS, *REFUSED_BACKENDS):
-        return
-    raise ValueError(
-        f"This ALiBi model cannot run with attn_implementation={base_name(name)!r}: hf_alibi has no ALiBi path for "
-        f"it, and without one it would run without its position bias. Instead, {what_runs}."
-    )
 
 
 # Where a config keeps the one other engine allowed to run its model (:func:`grant_engine`); never saved

@@ -168,6 +168,35 @@ def check_rounding(kind: str, sinks: int) -> None:
         raise ValueError("A bias rounded per key (KeyRounding) is causal and has no sinks.")
 
 
+@dataclass(frozen=True)
+class BiasSpec:
+    """What one ALiBi layer adds, as one hashable value: its form (``kind``), its fixed slopes (one per head; the
+    learned form's live in the layer's parameters, the paper's stand here), ``sinks`` (the first real keys of each
+    row carry no bias) and ``rounding`` (:class:`KeyRounding`, or ``None``). Two layers with equal specs add the same
+    bias wherever they see the same tokens: the value is the key under which a forward's merged masks are shared
+    (``mask.py``, ``batching.py``), so a field added here reaches every cache.
+
+    >>> BiasSpec("causal", (0.5, 0.25)) == BiasSpec("causal", (0.5, 0.25), sinks=0)
+    True
+    """
+
+    kind: str
+    slopes: tuple[float, ...]
+    sinks: int = 0
+    rounding: KeyRounding | None = None
+
+    def __post_init__(self):
+        if self.kind not in BIAS_KINDS:
+            raise ValueError(f"Unknown ALiBi bias kind {self.kind!r}; expected one of {BIAS_KINDS}.")
+        if self.rounding is not None:
+            check_rounding(self.kind, self.sinks)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the bias is ``-m |i - j|`` alone (no sinks, no rounding): placed by no row start."""
+        return not self.sinks and self.rounding is None
+
+
 def row_positions(
     q_len: int, kv_len: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

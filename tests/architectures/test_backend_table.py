@@ -10,14 +10,17 @@ from arch_cases import CASES
 from sharing import REPO_ROOT, output_tensor
 
 import hf_alibi
+from hf_alibi.core.kernels import RUNNING_BACKENDS
 from hf_alibi.registry import alibi_classes
 
-# transformers' flag per backend (eager has none: every model has it)
+# transformers' flag per backend (eager has none: every model has it; every flash version reads one flag), for each
+# backend of the kernel table
 FLAGS = {
     "eager": None,
     "sdpa": "_supports_sdpa",
     "flex_attention": "_supports_flex_attn",
     "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_4": "_supports_flash_attn",
 }
 
 
@@ -52,7 +55,7 @@ def allowed_by_flags(model_type: str, backend: str) -> bool:
 
 def test_documented_backend_table_matches_transformers_flags():
     table = documented_table()
-    assert sorted(table) == sorted(FLAGS)
+    assert sorted(table) == sorted(FLAGS) == sorted(RUNNING_BACKENDS)
     types = set(hf_alibi.supported_model_types())
     for backend, (allowed, refused) in table.items():
         assert allowed | refused == types and not allowed & refused, (backend, allowed, refused)
@@ -64,10 +67,10 @@ def test_documented_backend_table_matches_transformers_flags():
 def test_documented_table_matches_what_plain_transformers_does(case):
     """Not the flags: the unpatched model itself, asked for each backend the docs list it under."""
     allowed_or_refused = {backend: case.model_type in allowed for backend, (allowed, _) in documented_table().items()}
-    for backend in ("eager", "sdpa", "flex_attention", "flash_attention_2"):
+    for backend in FLAGS:
         model = case.make()
         if allowed_or_refused[backend]:
-            if backend == "flash_attention_2":
+            if backend.startswith("flash_attention"):
                 continue  # accepted or not, it needs the flash-attn package and CUDA to be set
             model.set_attn_implementation(backend)
             assert model.config._attn_implementation == backend

@@ -372,6 +372,7 @@ def test_a_4d_mask_on_a_sliding_window_model_with_sinks_is_refused():
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_sink_fold_in_every_dtype_against_the_reference(dtype, masked):
     from hf_alibi.core.folded import folded_causal_attention
+    from hf_alibi.core.slopes import BiasSpec
 
     batch, heads, length, dim, sinks = 2, 4, 256, 16, 3
     generator = torch.Generator().manual_seed(8)
@@ -389,8 +390,8 @@ def test_the_sink_fold_in_every_dtype_against_the_reference(dtype, masked):
     weights = torch.nan_to_num(torch.softmax(torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / 4 + bias, -1))
     expected = torch.einsum("bhqk,bhkd->bqhd", weights, v.double())
     out, _ = folded_causal_attention(
-        None, q.to(dtype), k.to(dtype), v.to(dtype), mask, torch.tensor(slopes), scaling=0.25, sinks=sinks,
-        starts=torch.tensor(starts) if masked else None,
+        None, q.to(dtype), k.to(dtype), v.to(dtype), mask, torch.tensor(slopes), scaling=0.25,
+        bias=BiasSpec("causal", tuple(slopes), sinks=sinks), rows=(torch.tensor(starts) if masked else None, None),
     )  # fmt: skip
     rows = real[:, :, None, None].expand_as(expected)  # padded queries see nothing: not compared
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]

@@ -13,8 +13,9 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
-from hf_alibi.core import modeling_alibi
+from hf_alibi.core import dispatch, modeling_alibi
 from hf_alibi.core.architectures import find_architecture
+from hf_alibi.core.kernels import KERNELS
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
 from hf_alibi.registry import alibi_classes
 
@@ -39,16 +40,37 @@ def test_remote_code_is_the_library_core_byte_for_byte(tmp_path):
     assert len(REMOTE_CODE_FILE.read_text().splitlines()) <= 30  # the entry module is short
 
 
+# each kernel file's optional packages, from the kernel table: file (the module of the row's function) -> packages
+OPTIONAL = {
+    dispatch.FUNCTIONS[row.name].__module__.rsplit(".", 1)[-1]: row.packages for row in KERNELS if row.packages
+}
+
+
+def test_optional_packages_are_imported_in_try_blocks_only():
+    """transformers' check_imports refuses a checkpoint whose code imports a missing package outside a try block."""
+    assert set(OPTIONAL) == {"flash", "fa4"}
+    for stem, packages in OPTIONAL.items():
+        tree = ast.parse((CORE / f"{stem}.py").read_text())
+        guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                if any(name.split(".")[0] in packages for name in names):
+                    assert id(node) in guarded, (stem, node.lineno)
+
+
 def test_remote_code_imports_only_torch_transformers_the_stdlib_and_its_siblings():
     siblings = {path.stem for path in CORE.glob("*.py")} - {"__init__"}
     for path in CORE.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                assert {alias.name.split(".")[0] for alias in node.names} <= ALLOWED_IMPORTS, (path.name, node.lineno)
+                tops = {alias.name.split(".")[0] for alias in node.names}
+                assert tops <= ALLOWED_IMPORTS | set(OPTIONAL.get(path.stem, ())), (path.name, node.lineno)
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 top = node.module.split(".")[0]
-                # flash_attn is imported inside a try block only (transformers' check_imports skips those)
-                assert top in ALLOWED_IMPORTS or (top == "flash_attn" and path.name == "flash.py"), (path.name, top)
+                # a kernel's optional packages (its row of the table) are imported inside a try block only, in its
+                # own file (transformers' check_imports skips those)
+                assert top in ALLOWED_IMPORTS or top in OPTIONAL.get(path.stem, ()), (path.name, top)
             elif isinstance(node, ast.ImportFrom):  # flat relative imports, as the dynamic-module loader follows
                 assert node.level == 1 and node.module in siblings, (path.name, node.module)
 

@@ -1,0 +1,171 @@
+"""The kernel table: each attention backend hf_alibi knows, and what its ALiBi path renders, written once.
+
+A row is plain data, importing nothing (the command line's parser and the config code read it without torch):
+transformers' backend name, the function in the kernel's file that renders the bias (``dispatch.py`` binds it by this
+name where it registers ``alibi_<name>``), the mask transformers hands it, the bias forms and features it renders,
+and the optional package it needs. Every check of a backend's abilities reads this table: what the config accepts
+(:func:`check_backend`), what a kernel and a native model's ``set_attn_implementation`` refuse (:func:`refusal`),
+what continuous batching runs (:func:`paged_refusal`), and the remote-code test's allowed optional imports.
+
+Adding a kernel is its file, one row here, and its import in ``dispatch.py`` (the import is what makes
+``save_pretrained`` copy the file: transformers follows a checkpoint's relative imports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the mask transformers hands a kernel: the merged additive float mask (the bias inside), flex's BlockMask, or the
+# 2D padding mask of flash kernels (None when nothing is padded)
+MERGED, BLOCK, PADDING = "merged", "block", "padding"
+# the bias forms (names.BIAS_KINDS, spelled here so that this module imports nothing; names.py checks they agree)
+_ALL_FORMS = ("causal", "symmetric", "nonsymmetric", "learned")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One attention backend and what its ALiBi path renders.
+
+    ``name``: transformers' ``attn_implementation``. ``function``: the ALiBi function's name, defined in the kernel's
+    file and imported by ``dispatch.py`` (``None``: the name is known and refused when called). ``mask``: the mask
+    transformers makes for it (:data:`MERGED` kernels are handed the bias merged into it). ``forms``: the bias forms
+    it renders; ``sinks``, ``rounding`` (a bias rounded per key, ``slopes.KeyRounding``), ``packed`` (packed rows,
+    one document each) and ``paged`` (continuous batching's paged cache): whether it renders them. ``label``: how
+    a refusal names it. ``packages``: optional top-level imports it needs (inside a ``try`` block, which
+    transformers' ``check_imports`` skips). ``install``: what to install for it, said where it is missing.
+    """
+
+    name: str
+    function: str | None
+    mask: str = MERGED
+    forms: tuple[str, ...] = _ALL_FORMS
+    sinks: bool = True
+    rounding: bool = True
+    packed: bool = True
+    paged: bool = False
+    label: str = ""
+    packages: tuple[str, ...] = ()
+    install: str = ""
+
+    @property
+    def runs(self) -> bool:
+        return self.function is not None
+
+
+KERNELS: tuple[Kernel, ...] = (
+    Kernel("eager", "eager_attention_forward", paged=True, label="the eager kernel"),
+    Kernel("sdpa", "sdpa_attention_forward", paged=True, label="the sdpa kernel"),
+    Kernel("flex_attention", "flex_alibi_attention", mask=BLOCK, label="FlexAttention"),
+    Kernel(
+        "flash_attention_2",
+        "flash_alibi_attention",
+        mask=PADDING,
+        forms=("causal", "symmetric"),
+        sinks=False,
+        rounding=False,
+        label="flash-attn's ALiBi",
+        packages=("flash_attn",),
+        install="pip install flash-attn",
+    ),  # fmt: skip
+    Kernel("flash_attention_3", None, mask=PADDING, label="flash-attn 3"),
+    Kernel(
+        "flash_attention_4",
+        "fa4_alibi_attention",
+        mask=PADDING,
+        forms=("causal", "symmetric"),
+        sinks=False,
+        rounding=False,
+        label="FlashAttention-4's ALiBi score_mod",
+        packages=("flash_attn", "cutlass"),
+        install="pip install 'hf-alibi[fa4]' (flash-attn-4)",
+    ),  # fmt: skip
+)
+KERNEL_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
+# transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known by
+# name but refused when called; any other name is refused when set (:func:`check_backend`)
+RUNNING_BACKENDS = tuple(kernel.name for kernel in KERNELS if kernel.runs)
+REFUSED_BACKENDS = tuple(kernel.name for kernel in KERNELS if not kernel.runs)
+PAGED_BACKENDS = tuple(kernel.name for kernel in KERNELS if kernel.paged)
+WHAT_RUNS = (
+    f"a converted model runs with attn_implementation {', '.join(repr(b) for b in RUNNING_BACKENDS)} in "
+    "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), or in llama.cpp and what is built on "
+    "it after `hf-alibi export-gguf`"
+)
+
+
+def kernel(name: str | None) -> Kernel | None:
+    """The row of a backend name (``"sdpa"``, ``"alibi_sdpa"``, ``"alibi_remote_sdpa"``), else ``None``.
+
+    >>> kernel("alibi_flash_attention_2").mask
+    'padding'
+    """
+    if name is None:
+        return None
+    return KERNEL_BY_NAME.get(name.removeprefix("alibi_remote_").removeprefix("alibi_"))
+
+
+def _instead(feature: str) -> str:
+    # what to use where a kernel lacks ``feature``: sdpa first, then every other running kernel that renders it
+    others = [k.name for k in KERNELS if k.runs and k.name != "sdpa" and getattr(k, feature)]
+    alternatives = f" (or {', '.join(repr(name) for name in others)})" if others else ""
+    return f"use model.set_attn_implementation('sdpa'){alternatives} for this model"
+
+
+def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None) -> str | None:
+    """Why ``row``'s kernel cannot render a layer's bias (its form ``kind``, ``sinks``, its ``rounding``), one line
+    that says what to use instead; ``None`` when it can. Asked by the kernel before any work and, for the models
+    trained with ALiBi, by ``set_attn_implementation`` before the model is switched (``native.py``).
+
+    >>> refusal(KERNEL_BY_NAME["flash_attention_2"], "causal", sinks=4)
+    "flash-attn's ALiBi cannot exempt the first 4 keys (sinks): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
+    """  # noqa: E501
+    if kind not in row.forms:
+        only = " and ".join(row.forms)
+        return f"{row.label} has no {kind!r} form (only {only}): use model.set_attn_implementation('sdpa')."
+    if sinks and not row.sinks:
+        return f"{row.label} cannot exempt the first {sinks} keys (sinks): {_instead('sinks')}."
+    if rounding is not None and not row.rounding:
+        dtype = getattr(rounding, "dtype", rounding)
+        return (
+            f"{row.label} cannot round each key's bias to {dtype} as this model's own code does (Falcon): "
+            f"{_instead('rounding')}."
+        )
+    return None
+
+
+def kernel_refusal(name: str | None, alibi) -> str | None:
+    """:func:`refusal` for backend ``name`` (``None`` for a name the table does not know) and a layer's ``AlibiBias``
+    (its ``kind``, ``sinks``, ``rounding``)."""
+    row = kernel(name)
+    return None if row is None else refusal(row, alibi.kind, alibi.sinks, alibi.rounding)
+
+
+def paged_refusal(name: str | None) -> str | None:
+    """Why continuous batching cannot run with backend ``name``, one line, else ``None``."""
+    row = kernel(name)
+    if row is not None and row.paged:
+        return None
+    runs = " and ".join(repr(k.name) for k in KERNELS if k.paged)
+    shown = name.removeprefix("alibi_remote_").removeprefix("alibi_") if name else name
+    return (
+        f"Continuous batching has an ALiBi path for attn_implementation {runs}, not {shown!r}: "
+        "call model.set_attn_implementation('sdpa') first."
+    )
+
+
+def check_backend(name: str | None, what_runs: str = WHAT_RUNS) -> None:
+    """One-line ``ValueError`` for an attention implementation with no ALiBi path (another engine's function, a
+    hub kernel, a future backend): it would run the model without its position bias. ``what_runs`` ends the message
+    (default: what a converted model runs with; a model trained with ALiBi says its own, ``hf_alibi.native``).
+
+    >>> check_backend("vllm")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ValueError: ...
+    """
+    if name is None or kernel(name) is not None:
+        return
+    shown = name.removeprefix("alibi_remote_").removeprefix("alibi_")
+    raise ValueError(
+        f"This ALiBi model cannot run with attn_implementation={shown!r}: hf_alibi has no ALiBi path for "
+        f"it, and without one it would run without its position bias. Instead, {what_runs}."
+    )

@@ -1,0 +1,138 @@
+"""The kernel table (hf_alibi/core/kernels.py) is the one place a kernel's abilities are written: registration, the
+config's accepted names, the refusals (a kernel's, a native model's set_attn_implementation, continuous batching's)
+and the docs read it. And the bias as one value (slopes.BiasSpec): the one key under which merged masks are shared."""
+
+import math
+import re
+
+import pytest
+import torch
+from reference import fairseq_slopes
+from sharing import REPO_ROOT
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_alibi.core import dispatch, names
+from hf_alibi.core.batching import check_continuous_batching
+from hf_alibi.core.bias import AlibiBias
+from hf_alibi.core.forward import AlibiForward
+from hf_alibi.core.kernels import (
+    KERNEL_BY_NAME,
+    KERNELS,
+    PAGED_BACKENDS,
+    REFUSED_BACKENDS,
+    RUNNING_BACKENDS,
+    check_backend,
+    kernel,
+    paged_refusal,
+    refusal,
+)
+from hf_alibi.core.slopes import BiasSpec, KeyRounding
+
+H, D = 4, 8
+
+
+def test_registration_follows_the_rows():
+    for row in KERNELS:
+        registered = ALL_ATTENTION_FUNCTIONS[f"alibi_{row.name}"]
+        if row.runs:
+            assert dispatch.FUNCTIONS[row.name].__name__ == row.function
+        else:
+            with pytest.raises(NotImplementedError, match=f"no ALiBi path for attn_implementation='{row.name}'"):
+                registered(None, None, None, None, None)
+    assert names.RUNNING_BACKENDS == RUNNING_BACKENDS == ("eager", "sdpa", "flex_attention", "flash_attention_2",
+                                                           "flash_attention_4")  # fmt: skip
+    assert REFUSED_BACKENDS == ("flash_attention_3",) and PAGED_BACKENDS == ("eager", "sdpa")
+
+
+def test_the_names_resolve_with_either_prefix_and_others_are_refused_in_one_line():
+    assert (
+        kernel("alibi_remote_flash_attention_4") is kernel("flash_attention_4") is KERNEL_BY_NAME["flash_attention_4"]
+    )
+    for row in KERNELS:
+        check_backend(f"alibi_{row.name}")
+    with pytest.raises(ValueError, match="attn_implementation='vllm': hf_alibi has no ALiBi path") as refused:
+        check_backend("vllm")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_refusal_names_what_renders_the_feature_instead():
+    flash = KERNEL_BY_NAME["flash_attention_2"]
+    assert refusal(flash, "causal") is None and refusal(flash, "symmetric") is None
+    sinks = refusal(flash, "causal", sinks=2)
+    # every running kernel whose row renders sinks is offered, and no other
+    assert sinks.endswith("use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model.")
+    assert "flash_attention_4" not in sinks
+    assert "bfloat16" in refusal(KERNEL_BY_NAME["flash_attention_4"], "causal", rounding=KeyRounding("bfloat16"))
+    assert all(
+        refusal(KERNEL_BY_NAME[n], k) is None for n in ("eager", "sdpa", "flex_attention") for k in names.BIAS_KINDS
+    )
+
+
+def test_continuous_batching_runs_the_paged_rows_and_refuses_the_rest():
+    class Model:
+        class config:  # noqa: N801  (a config-like namespace)
+            is_encoder_decoder = False
+            _attn_implementation = "alibi_flex_attention"
+            _attn_implementation_internal = "alibi_flex_attention"
+
+    with pytest.raises(ValueError, match="for attn_implementation 'eager' and 'sdpa', not 'flex_attention'"):
+        check_continuous_batching(Model)
+    assert paged_refusal("alibi_sdpa") is None and paged_refusal("eager") is None
+
+
+def test_the_contributing_table_lists_every_running_kernel():
+    text = (REPO_ROOT / "CONTRIBUTING.md").read_text()
+    section = text[text.index("## The bias and the kernels that render it") : text.index("## Adding an architecture")]
+    listed = set(re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M))
+    assert listed - {"attn_implementation"} == set(RUNNING_BACKENDS)  # the header and one row a kernel
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the bias as one value
+
+
+class Layer(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.alibi = AlibiBias("causal", H, path="bias", **options)
+        self.is_causal = True
+        self.eval()
+
+
+def reference(q, k, v, sinks):
+    """softmax(q k^T / sqrt(D) - m (i - j)) v in float64, causal, the first ``sinks`` keys without bias."""
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    m = torch.tensor(fairseq_slopes(H), dtype=torch.float64)[:, None, None]
+    bias = (-m * (i - j)).masked_fill((j < sinks).expand(n, n), 0.0).masked_fill(j > i, -math.inf)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) / math.sqrt(D) + bias
+    return torch.einsum("bhqk,bhkd->bqhd", torch.softmax(scores, -1), v.double())
+
+
+def test_layers_that_differ_in_sinks_do_not_share_a_merged_mask():
+    """The merged mask of a forward is shared under the bias's one key (its BiasSpec and path): a layer with sinks
+    after one without must build its own (the key once left sinks out: it got the other layer's mask)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, 40, D, generator=g) for _ in range(3))
+    forward = AlibiForward(starts=torch.zeros(1, dtype=torch.long), end=40)
+    plain, with_sinks = Layer(), Layer(sinks=3)
+    for layer, sinks in ((plain, 0), (with_sinks, 3), (plain, 0)):
+        out, _ = ALL_ATTENTION_FUNCTIONS["alibi_sdpa"](layer, q, k, v, None, scaling=D**-0.5, alibi_forward=forward)
+        torch.testing.assert_close(out.double(), reference(q, k, v, sinks), rtol=0, atol=1e-5)
+    assert forward.builds == 2
+
+
+def test_the_spec_is_the_key_and_follows_every_change():
+    layer = AlibiBias("causal", H)
+    assert layer.sharing == (BiasSpec("causal", tuple(fairseq_slopes(H))), "auto")
+    layer.rounding = KeyRounding("bfloat16")
+    assert layer.sharing[0].rounding == KeyRounding("bfloat16")  # no stale key after a change
+    layer.rounding = None
+    layer.sinks = 2
+    assert layer.sharing[0] == BiasSpec("causal", tuple(fairseq_slopes(H)), sinks=2)
+    assert hash(layer.spec) == hash(BiasSpec("causal", tuple(fairseq_slopes(H)), 2))
+    with pytest.raises(ValueError, match="rounded per key .* is causal and has no sinks"):
+        BiasSpec("causal", (0.5,), sinks=1, rounding=KeyRounding("bfloat16"))
+    with pytest.raises(ValueError, match="Unknown ALiBi bias kind 'diagonal'"):
+        BiasSpec("diagonal", (0.5,))
