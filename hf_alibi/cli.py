@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import sys
 
 # Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
@@ -34,7 +36,7 @@ from .checkpoints import (
     CheckpointError,
     check_source,
 )
-from .cli_checks import OPTIONS, CliError, check_inputs, check_serve_arguments, fit_file
+from .cli_checks import OPTIONS, CliError, check_inputs, check_serve_arguments, fit_file, serving_engine
 from .cli_parser import add_option_flags, build_parser  # noqa: F401  (re-exported: the parser's home)
 from .core.settings import AlibiSettings, describe_options
 from .gguf import GGUFExportError
@@ -169,8 +171,9 @@ RUN_GGUF = "llama-cli -m {path} (llama.cpp's programs), or llama_cpp.Llama(model
 
 def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id, or a "
-              "BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention)\n")  # fmt: skip
+        print("usage: hf-alibi serve MODEL [--engine transformers|vllm] [the engine's server options]  (MODEL: a "
+              "converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention; with "
+              "--engine vllm, vLLM's OpenAI server: `vllm serve`'s options, docs/engines.md)\n")  # fmt: skip
         print("transformers serve's options follow (needs transformers' serving extras: pip install "
               "'transformers[serving]'):", flush=True)  # fmt: skip
         from hf_alibi.core.compat import transformers_cli_app
@@ -181,10 +184,24 @@ def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
                     "serve`'s options\n")  # fmt: skip
     try:
         check_source(argv[0], "MODEL")
+        engine, argv = serving_engine(argv)
+        if engine == "vllm":
+            _exec_vllm(argv)
         check_serve_arguments(argv[1:])
     except (CheckpointError, CliError) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     return argv
+
+
+def _exec_vllm(argv: list[str]) -> None:
+    # vLLM's OpenAI server in this process's place, every process of it started as hf_alibi_vllm starts them
+    if importlib.util.find_spec("vllm") is None:
+        raise CliError("--engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md).")
+    import hf_alibi_vllm
+    from hf_alibi_vllm import server
+
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, server.__file__, *argv], hf_alibi_vllm.environment())
 
 
 def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:

@@ -161,6 +161,31 @@ def _check_file(path: str | None, name: str) -> None:
         raise CliError(f"{flag(name)} {path!r} is not a file: pass the path of a text file.")
 
 
+SERVING_ENGINES = ("transformers", "vllm")
+
+
+def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
+    """``hf-alibi serve MODEL ...``'s ``--engine`` (``transformers``, the default, or ``vllm``) and the command line
+    without it.
+
+    >>> serving_engine(["m", "--engine", "vllm", "--port", "8000"])
+    ('vllm', ['m', '--port', '8000'])
+    """
+    engine, rest, index = "transformers", [], 0
+    while index < len(argv):
+        argument = argv[index]
+        if argument == "--engine" or argument.startswith("--engine="):
+            value = argument.partition("=")[2] if "=" in argument else (argv[index + 1 : index + 2] or [""])[0]
+            if value not in SERVING_ENGINES:
+                choices = ", ".join(SERVING_ENGINES)
+                raise CliError(f"argument --engine: invalid choice {value!r} (choose from {choices})")
+            engine, index = value, index + (1 if "=" in argument else 2)
+            continue
+        rest.append(argument)
+        index += 1
+    return engine, rest
+
+
 def check_serve_arguments(argv: list[str]) -> None:
     """``hf-alibi serve MODEL ...``'s options that this command answers in its own form before `transformers
     serve` parses them (with the library loaded): the port, a number from 0 to 65535."""
