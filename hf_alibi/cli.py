@@ -345,10 +345,11 @@ def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """``hf-alibi serve MODEL ...`` with the library imported; its errors become ``hf-alibi: error: ...``."""
     from .serve import MissingServingExtras, serve
+    from .serve_guard import ServeOptionError
 
     try:
         serve(argv[0], argv[1:])
-    except (CheckpointError, MissingServingExtras) as error:
+    except (CheckpointError, MissingServingExtras, ServeOptionError) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     return 0
 

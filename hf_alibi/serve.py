@@ -102,12 +102,25 @@ _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained
 
 
 def serve(model: str, arguments: list[str]) -> None:
-    """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable."""
-    from .core.compat import serving_available, transformers_cli_app
+    """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
+    checked and bounded first, and the process ended if the continuous-batching worker dies
+    (:mod:`hf_alibi.serve_guard`)."""
+    import importlib
 
+    from .core.compat import serving_available, transformers_cli_app
+    from .serve_guard import guarded_build_server, say, start_lines, take_cap
+
+    cap, arguments = take_cap(arguments)
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
         raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
+    tokenizer = sys.modules["transformers"].AutoTokenizer.from_pretrained(
+        model, trust_remote_code="--trust-remote-code" in arguments
+    )
+    for line in start_lines(tokenizer, cap):
+        say(line)
+    server = importlib.import_module("transformers.cli.serving.server")
+    server.build_server = guarded_build_server(server.build_server, tokenizer, cap, model)
     app(args=["serve", model, *arguments], prog_name="hf-alibi")
