@@ -325,8 +325,9 @@ RUN_GGUF = "llama-cli -m {path} (llama.cpp's programs), or llama_cpp.Llama(model
 
 def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: hf-alibi serve MODEL [transformers serve options]  (MODEL: a converted folder or Hub id, or a "
-              "BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention)\n")  # fmt: skip
+        print("usage: hf-alibi serve MODEL [--max-new-tokens-cap N (default 1024)] [transformers serve options]  "
+              "(MODEL: a converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's "
+              "attention)\n")  # fmt: skip
         print("transformers serve's options follow (needs transformers' serving extras: pip install "
               "'transformers[serving]'):", flush=True)  # fmt: skip
         from hf_alibi.core.compat import transformers_cli_app
