@@ -130,6 +130,7 @@ def server(request, folder):
     yield port
     log = stop(server)
     assert "Traceback" not in log, log[-3000:]  # no request reached a failure inside the server
+    assert f"CB: {bool(request.param)}" in log and f"CB: {not request.param}" not in log  # the path asked for
     assert f"hf-alibi serve: at most {CAP} new tokens per request" in log
 
 
@@ -214,14 +215,23 @@ def requests_mix(count: int, seed: int = 0) -> list[tuple[str, str, int]]:
 
 
 def under_load(port: int, greedy, count: int, clients: int = 32) -> None:
-    """``count`` requests (mixed endpoints, prompts, lengths) from ``clients`` at once: each answer equals the
-    same request's greedy tokens alone."""
+    """``count`` requests (mixed endpoints, prompts, lengths) from ``clients`` at once, every eighth a bad one: each
+    good answer equals the same request's greedy tokens alone, each bad one answers 400 (in continuous batching,
+    they arrive while the worker runs a batch)."""
     mix = requests_mix(count)
+
+    def one(i: int):
+        if i % 8 == 7:
+            path, body, _ = BAD[i % len(BAD)]
+            return call(port, path, body)[0]
+        return ask(port, *mix[i])
+
     started = time.monotonic()
     with ThreadPoolExecutor(clients) as pool:
-        answers = list(pool.map(lambda r: ask(port, *r), mix))
-    assert answers == [greedy(prompt, n) for _, prompt, n in mix]
-    assert len({a for a in answers}) > 5  # the prompts lead to different answers: a mix-up would show
+        answers = list(pool.map(one, range(count)))
+    expected = [400 if i % 8 == 7 else greedy(prompt, n) for i, (_, prompt, n) in enumerate(mix)]
+    assert answers == expected
+    assert len(set(answers)) > 5  # the prompts lead to different answers: a mix-up would show
     print(f"{count} requests from {clients} clients in {time.monotonic() - started:.1f} s")
 
 
