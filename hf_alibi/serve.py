@@ -116,9 +116,15 @@ def serve(model: str, arguments: list[str]) -> None:
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
-    tokenizer = sys.modules["transformers"].AutoTokenizer.from_pretrained(
-        model, trust_remote_code="--trust-remote-code" in arguments
-    )
+    try:  # the requests' checks read prompts with it (transformers' server loads its own after this)
+        tokenizer = sys.modules["transformers"].AutoTokenizer.from_pretrained(
+            model, trust_remote_code="--trust-remote-code" in arguments
+        )
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"MODEL {model!r} has no tokenizer that loads ({reason}): a server needs one; save it in the folder."
+        ) from None
     for line in start_lines(tokenizer, cap):
         say(line)
     server = importlib.import_module("transformers.cli.serving.server")

@@ -293,3 +293,16 @@ def test_a_bad_cap_is_one_line(folder, capsys, value):
     error = capsys.readouterr().err
     assert caught.value.code == 2 and error.startswith("hf-alibi: error: ") and error.count("\n") == 1
     assert "--max-new-tokens-cap takes a positive number" in error
+
+
+def test_a_folder_without_a_tokenizer_is_one_line(folder, tmp_path, capsys):
+    """The requests' checks need MODEL's tokenizer: a folder without one is refused in one line before the server
+    starts (transformers' server raised its own traceback while preloading)."""
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    with pytest.raises(SystemExit) as caught:
+        cli_main(["serve", str(tmp_path), "--port", "8000"])
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.startswith("hf-alibi: error: ") and error.count("\n") == 1
+    assert "has no tokenizer that loads" in error
