@@ -119,11 +119,12 @@ def _check_common(body: dict, tokenizer) -> None:
             lambda v: _logit_bias(v, len(tokenizer)),
             f"an object of token ids (0 to {len(tokenizer) - 1}) to numbers in [-100, 100]",
         ),
-        "generation_config": (_generation_config, "a string holding a JSON object of GenerationConfig fields"),
     }
     for field, (ok, must) in checks.items():
         if body.get(field) is not None and not ok(body[field]):
             raise _fail(field, must, body[field])
+    if body.get("generation_config") is not None:
+        _check_generation_config(body["generation_config"])
 
 
 def _stop_strings(value) -> bool:
@@ -137,23 +138,22 @@ def _logit_bias(value, vocabulary: int) -> bool:
     return all(k.isdigit() and int(k) < vocabulary and _is_number(v) and -100 <= v <= 100 for k, v in value.items())
 
 
-def _generation_config(value) -> bool:
-    """transformers builds ``GenerationConfig(**json.loads(value))``: it must, and validate."""
-    if not isinstance(value, str):
-        return False
+def _check_generation_config(value) -> None:
+    """transformers builds ``GenerationConfig(**json.loads(value))``: it must, and pass its strict validation (a
+    flag that generation would ignore is refused, with GenerationConfig's own reason)."""
     try:
-        fields = json.loads(value)
+        fields = json.loads(value) if isinstance(value, str) else None
     except json.JSONDecodeError:
-        return False
+        fields = None
     if not isinstance(fields, dict):
-        return False
+        raise _fail("generation_config", "a string holding a JSON object of GenerationConfig fields", value)
     from transformers import GenerationConfig
 
     try:
         GenerationConfig(**fields).validate(strict=True)
-    except Exception:  # noqa: BLE001 (any refusal of GenerationConfig is the client's: answered 400)
-        return False
-    return True
+    except Exception as error:  # noqa: BLE001 (any refusal of GenerationConfig is the client's: answered 400)
+        reason = " ".join(str(error).split())
+        raise BadRequest(f"`generation_config` is refused: {reason}", param="generation_config") from None
 
 
 def _check_prompt(body: dict, tokenizer) -> None:

@@ -161,6 +161,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -1}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": USER, "logit_bias": {"token": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": USER, "generation_config": "{not json"}, "generation_config"),
+    ("/v1/chat/completions", {"messages": USER, "generation_config": '{"max_new_tokens": -1}'}, "generation_config"),
     ("/v1/chat/completions", {"messages": USER, "seed": "one"}, "seed"),
     ("/v1/responses", {"max_output_tokens": 3, "stream": False}, "input"),
     ("/v1/responses", {"input": "", "stream": False}, "input"),
