@@ -15,7 +15,8 @@ import math
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 SYSTEMONE, LOAD_MODEL = "/v1/systemone", "/load_model"  # checked by transformers (pydantic), or pinned here
-GUARDED = (COMPLETIONS, CHAT, RESPONSES, SYSTEMONE, LOAD_MODEL)
+TRANSCRIPTIONS = "/v1/audio/transcriptions"  # a speech model's: refused (the served model is a text model)
+GUARDED = (COMPLETIONS, CHAT, RESPONSES, SYSTEMONE, LOAD_MODEL, TRANSCRIPTIONS)
 # per endpoint, the fields that bound the new tokens, the one transformers reads first last
 MAXIMUM_FIELDS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens"),
                   RESPONSES: ("max_output_tokens",)}  # fmt: skip
@@ -45,6 +46,9 @@ def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str) -> dict:
     >>> check_body("/v1/completions", b'{"prompt": "Hi", "max_tokens": 8}', tokenizer, 1024, "./m")  # doctest: +SKIP
     {'prompt': 'Hi', 'max_tokens': 8}
     """
+    if path == TRANSCRIPTIONS:
+        raise BadRequest(f"this server serves a text model: {TRANSCRIPTIONS} needs a speech-recognition model",
+                         code="unsupported_endpoint")  # fmt: skip
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -193,6 +193,13 @@ def test_bad_requests_answer_400_and_the_server_answers_the_next_one(server, gre
     assert status == 422 and "unknown_field" in answer["error"]["message"]
     status, answer = call(server, "/v1/completions", {"prompt": "Hello", "model": "someone/another-model"})
     assert status == 400 and "pinned" in answer["error"]["message"]
+    # a speech model's endpoint (HTTP 500 on a text model without the guard), sent as multipart like a real client
+    upload = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n--b--\r\n'
+    request = urllib.request.Request(f"http://127.0.0.1:{server}/v1/audio/transcriptions", data=upload,
+                                     headers={"Content-Type": "multipart/form-data; boundary=b"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["code"] == "unsupported_endpoint"
     with urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10) as response:
         assert json.loads(response.read())["status"] == "ok"
 
