@@ -8,7 +8,9 @@ serve``), with or without ``--continuous-batching``.
 own name to the ``transformers`` namespace of this server process (no transformers class is replaced), preloads
 MODEL and hands every other argument to transformers' server unchanged. A model trained with ALiBi keeps its own
 class name there: in this server process that name loads it and runs it on hf_alibi's paths (:func:`native_loader`;
-transformers' own code of these three cannot run continuous batching)::
+transformers' own code of these three cannot run continuous batching). Every request is checked before transformers'
+handlers read it, new tokens are capped (``--max-new-tokens-cap``), and a dead continuous-batching worker ends the
+process in one line (:mod:`hf_alibi.serve_guard`, docs/engines.md)::
 
     hf-alibi serve ./my-alibi-llama --port 8000 --continuous-batching
     python -m hf_alibi serve ./my-alibi-llama --port 8000

@@ -159,10 +159,10 @@ def watch_worker(generation_state) -> threading.Thread:
             time.sleep(_POLL_SECONDS)
         manager = getattr(generation_state, "_cb_manager", None)
         status = getattr(getattr(manager, "_cb", None), "background_thread_status", None)
-        reason = str(getattr(status, "fatal_error", None) or "no reason given")
+        reason = (str(getattr(status, "fatal_error", "")).strip() or "no reason given").splitlines()[0]
         time.sleep(_FLUSH_SECONDS)
-        say(f"the continuous-batching worker died ({reason.splitlines()[0] if reason else reason}); exiting with "
-            f"status {WORKER_DIED_STATUS} so that a supervisor restarts the server")  # fmt: skip
+        say(f"the continuous-batching worker died ({reason}); exiting with status {WORKER_DIED_STATUS} so that a "
+            "supervisor restarts the server")  # fmt: skip
         os._exit(WORKER_DIED_STATUS)
 
     thread = threading.Thread(target=watch, name="hf-alibi-cb-watch", daemon=True)
