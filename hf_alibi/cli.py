@@ -171,9 +171,10 @@ RUN_GGUF = "llama-cli -m {path} (llama.cpp's programs), or llama_cpp.Llama(model
 
 def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: hf-alibi serve MODEL [--engine transformers|vllm] [the engine's server options]  (MODEL: a "
-              "converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention; with "
-              "--engine vllm, vLLM's OpenAI server: `vllm serve`'s options, docs/engines.md)\n")  # fmt: skip
+        print("usage: hf-alibi serve MODEL [--engine transformers|vllm] [--max-new-tokens-cap N (default 1024)] "
+              "[the engine's server options]  (MODEL: a converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, "
+              "run on hf_alibi's attention; --engine vllm: vLLM's OpenAI server, `vllm serve`'s options, "
+              "docs/engines.md)\n")  # fmt: skip
         print("transformers serve's options follow (needs transformers' serving extras: pip install "
               "'transformers[serving]'):", flush=True)  # fmt: skip
         from hf_alibi.core.compat import transformers_cli_app
@@ -207,10 +208,11 @@ def _exec_vllm(argv: list[str]) -> None:
 def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """``hf-alibi serve MODEL ...`` with the library imported; its errors become ``hf-alibi: error: ...``."""
     from .serve import MissingServingExtras, serve
+    from .serve_guard import ServeOptionError
 
     try:
         serve(argv[0], argv[1:])
-    except (CheckpointError, MissingServingExtras) as error:
+    except (CheckpointError, MissingServingExtras, ServeOptionError) as error:
         parser.exit(2, f"hf-alibi: error: {error}\n")
     return 0
 

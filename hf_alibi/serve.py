@@ -8,7 +8,9 @@ serve``), with or without ``--continuous-batching``.
 own name to the ``transformers`` namespace of this server process (no transformers class is replaced), preloads
 MODEL and hands every other argument to transformers' server unchanged. A model trained with ALiBi keeps its own
 class name there: in this server process that name loads it and runs it on hf_alibi's paths (:func:`native_loader`;
-transformers' own code of these three cannot run continuous batching)::
+transformers' own code of these three cannot run continuous batching). Every request is checked before transformers'
+handlers read it, new tokens are capped (``--max-new-tokens-cap``), and a dead continuous-batching worker ends the
+process in one line (:mod:`hf_alibi.serve_guard`, docs/engines.md)::
 
     hf-alibi serve ./my-alibi-llama --port 8000 --continuous-batching
     python -m hf_alibi serve ./my-alibi-llama --port 8000
@@ -102,12 +104,31 @@ _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained
 
 
 def serve(model: str, arguments: list[str]) -> None:
-    """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable."""
-    from .core.compat import serving_available, transformers_cli_app
+    """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
+    checked and bounded first, and the process ended if the continuous-batching worker dies
+    (:mod:`hf_alibi.serve_guard`)."""
+    import importlib
 
+    from .core.compat import serving_available, transformers_cli_app
+    from .serve_guard import guarded_build_server, say, start_lines, take_cap
+
+    cap, arguments = take_cap(arguments)
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
         raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
+    try:  # the requests' checks read prompts with it (transformers' server loads its own after this)
+        tokenizer = sys.modules["transformers"].AutoTokenizer.from_pretrained(
+            model, trust_remote_code="--trust-remote-code" in arguments
+        )
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"MODEL {model!r} has no tokenizer that loads ({reason}): a server needs one; save it in the folder."
+        ) from None
+    for line in start_lines(tokenizer, cap):
+        say(line)
+    server = importlib.import_module("transformers.cli.serving.server")
+    server.build_server = guarded_build_server(server.build_server, tokenizer, cap, model)
     app(args=["serve", model, *arguments], prog_name="hf-alibi")

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -133,15 +134,19 @@ def ask_streaming(port: int, folder, question: str) -> str:
 
 
 def start(folder, *options: str) -> tuple[subprocess.Popen, int]:
+    """The server on a free port, ready; its log goes to a file (a pipe nobody reads would fill after a few hundred
+    requests' log lines and stall the server), read by :func:`stop`."""
     port = free_port()
     command = [sys.executable, "-m", "hf_alibi", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", *options]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    server.log = log
     deadline = time.monotonic() + READY_SECONDS
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"the server exited ({server.returncode}):\n{server.stdout.read()}")
+            raise AssertionError(f"the server exited ({server.returncode}):\n{read_log(server)}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
                 if json.loads(response.read()).get("status") == "ok":
@@ -149,17 +154,26 @@ def start(folder, *options: str) -> tuple[subprocess.Popen, int]:
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise AssertionError(f"the server was not ready in {READY_SECONDS} s:\n{server.communicate()[0]}")
+    server.wait()
+    raise AssertionError(f"the server was not ready in {READY_SECONDS} s:\n{read_log(server)}")
+
+
+def read_log(server: subprocess.Popen) -> str:
+    server.log.seek(0)
+    return server.log.read()
 
 
 def stop(server: subprocess.Popen) -> str:
     """Stop the server; its whole log."""
     server.terminate()
     try:
-        return server.communicate(timeout=10)[0]
+        server.wait(timeout=10)
     except subprocess.TimeoutExpired:
         server.kill()
-        return server.communicate()[0]
+        server.wait()
+    log = read_log(server)
+    server.log.close()
+    return log
 
 
 @pytest.mark.parametrize("options", [(), ("--continuous-batching",)], ids=["plain", "continuous-batching"])

@@ -1,0 +1,293 @@
+"""What ``hf-alibi serve`` checks in a request before transformers' server sees it: every field its handlers read
+without checking (``int(body["max_tokens"])``, ``body["messages"]``, ``float(body["temperature"])``, ...), so that a
+bad request answers 400 in OpenAI's error shape instead of HTTP 500, or of killing the continuous-batching worker (a
+prompt of no tokens, ``max_tokens: -1``). transformers' own checks stay where they are (unknown fields: 422; a
+request naming another model: 400); :mod:`hf_alibi.serve_guard` runs these checks on every request.
+
+Checked on transformers 5.24.0 (``transformers/cli/serving/{completion,chat_completion,response,utils}.py``). The
+standard library only, but for transformers' GenerationConfig to check a request's ``generation_config``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+SYSTEMONE, LOAD_MODEL = "/v1/systemone", "/load_model"  # checked by transformers (pydantic), or pinned here
+TRANSCRIPTIONS = "/v1/audio/transcriptions"  # a speech model's: refused (the served model is a text model)
+GUARDED = (COMPLETIONS, CHAT, RESPONSES, SYSTEMONE, LOAD_MODEL, TRANSCRIPTIONS)
+# per endpoint, the fields that bound the new tokens, the one transformers reads first last
+MAXIMUM_FIELDS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens"),
+                  RESPONSES: ("max_output_tokens",)}  # fmt: skip
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PARTS = ("text", "input_text", "output_text")
+CAP_OPTION = "--max-new-tokens-cap"
+DEFAULT_CAP = 1024  # transformers serve's own default for a request that names no maximum
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: ``payload()`` is OpenAI's error object, answered with ``status``."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+    def payload(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str) -> dict:
+    """The request ``raw`` (the JSON body POSTed to ``path``, one of :data:`GUARDED`) checked, with the bound on its
+    new tokens written in the field transformers reads first (the request's own, or ``cap`` when it names none);
+    raises :class:`BadRequest`. ``pinned``: the one model the server serves.
+
+    >>> check_body("/v1/completions", b'{"prompt": "Hi", "max_tokens": 8}', tokenizer, 1024, "./m")  # doctest: +SKIP
+    {'prompt': 'Hi', 'max_tokens': 8}
+    """
+    if path == TRANSCRIPTIONS:
+        raise BadRequest(f"this server serves a text model: {TRANSCRIPTIONS} needs a speech-recognition model",
+                         code="unsupported_endpoint")  # fmt: skip
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadRequest(f"the request body is not JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    if path == LOAD_MODEL and body.get("model") != pinned:  # transformers would load another model beside it
+        raise _fail("model", f"{pinned!r}: this server serves that model only", body.get("model"))
+    if path not in MAXIMUM_FIELDS:
+        return body
+    _check_common(body, tokenizer)
+    body[MAXIMUM_FIELDS[path][-1]] = _maximum(body, MAXIMUM_FIELDS[path], cap)
+    if path == COMPLETIONS:
+        _check_prompt(body, tokenizer)
+    else:
+        messages = _chat_messages(body["messages"] if "messages" in body else None) if path == CHAT else (
+            _response_messages(body))  # fmt: skip
+        _check_template(messages, body, tokenizer, "messages" if path == CHAT else "input")
+    return body
+
+
+def _fail(param: str, must: str, value) -> BadRequest:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return BadRequest(f"`{param}` must be {must} (got {shown})", param=param)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _maximum(body: dict, fields: tuple[str, ...], cap: int) -> int:
+    """The request's bound on new tokens (its last field given wins, as in transformers), at most ``cap``."""
+    asked = None
+    for field in fields:
+        value = body.get(field)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise _fail(field, "a positive integer (the number of new tokens)", value)
+        if value > cap:
+            raise BadRequest(
+                f"`{field}` is {value}, over this server's cap of {cap} new tokens per request (started with "
+                f"{CAP_OPTION} {cap}; restart it with a larger {CAP_OPTION} to allow more)",
+                param=field, code="max_tokens_over_cap",
+            )  # fmt: skip
+        asked = value
+    return cap if asked is None else asked
+
+
+def _check_common(body: dict, tokenizer) -> None:
+    """The fields every generation endpoint reads (BaseHandler._resolve_model, _build_generation_config)."""
+    checks = {
+        "model": (lambda v: isinstance(v, str) and v, "a non-empty string"),
+        "stream": (lambda v: isinstance(v, bool), "true or false"),
+        "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "seed": (_is_int, "an integer"),
+        # transformers turns it into repetition_penalty = 1 + frequency_penalty, which must be positive
+        "frequency_penalty": (lambda v: _is_number(v) and -1 < v <= 2, "a number in (-1, 2]"),
+        "n": (lambda v: v == 1 and _is_int(v), "1 (this server answers one choice per request)"),
+        "stop": (lambda v: _stop_strings(v), "a non-empty string or a list of them"),
+        "suffix": (lambda v: isinstance(v, str), "a string"),
+        "instructions": (lambda v: isinstance(v, str), "a string"),
+        "chat_template_kwargs": (lambda v: isinstance(v, dict), "a JSON object"),
+        "tools": (lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of objects"),
+        "logit_bias": (
+            lambda v: _logit_bias(v, len(tokenizer)),
+            f"an object of token ids (0 to {len(tokenizer) - 1}) to numbers in [-100, 100]",
+        ),
+    }
+    for field, (ok, must) in checks.items():
+        if body.get(field) is not None and not ok(body[field]):
+            raise _fail(field, must, body[field])
+    if body.get("generation_config") is not None:
+        _check_generation_config(body["generation_config"])
+
+
+def _stop_strings(value) -> bool:
+    values = [value] if isinstance(value, str) else value
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) and v for v in values)
+
+
+def _logit_bias(value, vocabulary: int) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return all(k.isdigit() and int(k) < vocabulary and _is_number(v) and -100 <= v <= 100 for k, v in value.items())
+
+
+def _check_generation_config(value) -> None:
+    """transformers builds ``GenerationConfig(**json.loads(value))``: it must, and pass its strict validation (a
+    flag that generation would ignore is refused, with GenerationConfig's own reason)."""
+    try:
+        fields = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise _fail("generation_config", "a string holding a JSON object of GenerationConfig fields", value)
+    from transformers import GenerationConfig
+
+    try:
+        GenerationConfig(**fields).validate(strict=True)
+    except Exception as error:  # noqa: BLE001 (any refusal of GenerationConfig is the client's: answered 400)
+        reason = " ".join(str(error).split())
+        raise BadRequest(f"`generation_config` is refused: {reason}", param="generation_config") from None
+
+
+def _check_prompt(body: dict, tokenizer) -> None:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise _fail("prompt", "a non-empty string", prompt)
+    if not tokenizer(prompt)["input_ids"]:
+        raise BadRequest(f"`prompt` {prompt!r} is no tokens for this model's tokenizer", param="prompt",
+                         code="empty_prompt")  # fmt: skip
+
+
+def _chat_messages(messages, param: str = "messages") -> list[dict]:
+    """The messages as the chat template will see them (transformers' get_processor_inputs_from_messages for a
+    text model: content parts joined into one string)."""
+    if not isinstance(messages, list) or not messages:
+        raise _fail(param, "a non-empty list of messages", messages)
+    return [_chat_message(message, f"{param}[{i}]") for i, message in enumerate(messages)]
+
+
+def _chat_message(message, param: str) -> dict:
+    if not isinstance(message, dict):
+        raise _fail(param, "an object with `role` and `content`", message)
+    role = message.get("role")
+    if role not in ROLES:
+        raise _fail(f"{param}.role", f"one of {', '.join(ROLES)}", role)
+    rendered = {"role": role, "content": _text(message.get("content"), f"{param}.content")}
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise _fail(f"{param}.tool_calls", "absent on a message whose role is not assistant", role)
+        rendered["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+        rendered["content"] = ""
+    if message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise _fail(f"{param}.tool_call_id", "a string", message["tool_call_id"])
+        rendered["tool_call_id"] = message["tool_call_id"]
+    return rendered
+
+
+def _text(content, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _fail(param, "a string or a list of text parts", content)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise _fail(f"{param}[{i}]", 'a text part ({"type": "text", "text": "..."}: this model reads text only)',
+                        part)  # fmt: skip
+        texts.append(part["text"])
+    return " ".join(texts)
+
+
+def _tool_calls(calls, param: str) -> list[dict]:
+    if not isinstance(calls, list) or not calls:
+        raise _fail(param, "a non-empty list", calls)
+    checked = []
+    for i, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(arguments, dict)):
+            raise _fail(f"{param}[{i}]", 'a call {"function": {"name": "...", "arguments": "<a JSON object>"}}', call)
+        checked.append({**call, "function": {**function, "arguments": arguments}})
+    return checked
+
+
+def _response_messages(body: dict) -> list[dict]:
+    """``/v1/responses``'s ``input`` (and ``instructions``) as chat messages (ResponseHandler._normalize_input)."""
+    given = body.get("input")
+    if isinstance(given, str) and given:
+        messages = [{"role": "user", "content": given}]
+    elif isinstance(given, list) and given and all(isinstance(item, dict) for item in given):
+        if "role" not in given[0]:  # a flat list of content parts: one user message
+            messages = [{"role": "user", "content": given}]
+        else:
+            messages = [_response_item(item, f"input[{i}]") for i, item in enumerate(given)]
+            messages = [message for message in messages if message is not None]
+    else:
+        raise _fail("input", "a non-empty string or a non-empty list of input items", given)
+    if body.get("instructions"):
+        messages.insert(0, {"role": "system", "content": body["instructions"]})
+    return _chat_messages(messages, "input")
+
+
+def _response_item(item: dict, param: str) -> dict | None:
+    kind = item.get("type")
+    if "role" in item:
+        return {"role": item["role"], "content": item.get("content", "")}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+            raise _fail(param, "a function_call_output with string `call_id` and `output`", item)
+        return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
+    if kind == "function_call":
+        if not isinstance(item.get("call_id"), str):
+            raise _fail(param, "a function_call with a string `call_id`", item)
+        call = {"id": item["call_id"], "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if kind == "reasoning":
+        parts = item.get("content") or []
+        if not isinstance(parts, list) or not all(_is_text_part(p) for p in parts):
+            raise _fail(param, "a reasoning item whose content is a list of text parts", item)
+        return None
+    raise _fail(param, "a message (with `role`), function_call, function_call_output or reasoning item", item)
+
+
+def _is_text_part(part) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
+
+
+def _check_template(messages: list[dict], body: dict, tokenizer, param: str) -> None:
+    """The chat template renders ``messages`` into at least one token (transformers renders them again)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise BadRequest(MISSING_TEMPLATE, param=param, code="chat_template_missing")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=body.get("tools"), tokenize=True, return_dict=True,
+            **(body.get("chat_template_kwargs") or {}),
+        )["input_ids"]  # fmt: skip
+    except Exception as error:  # noqa: BLE001 (the template refused the client's messages: answered 400)
+        raise BadRequest(f"the chat template refused these messages: {error}", param=param,
+                         code="chat_template_error") from None  # fmt: skip
+    if not ids:
+        raise BadRequest("the chat template renders these messages into no tokens", param=param, code="empty_prompt")
+
+
+MISSING_TEMPLATE = (
+    "this model's tokenizer has no chat template, so /v1/chat/completions and /v1/responses cannot format messages: "
+    "send plain text to /v1/completions, or serve a folder whose tokenizer_config.json has a chat_template"
+)
