@@ -79,7 +79,8 @@ def test_gpt2_config_json_holds_exactly_the_settings_and_the_row(saved):
         },
     }  # fmt: skip
     assert config["n_positions"].startswith(REMOVED_FIELD_MARKER)
-    assert "AutoModelForCausalLM.from_pretrained or hf_alibi.models.AlibiGPT2LMHeadModel" in config["n_positions"]
+    advice = "AutoModelForCausalLM.from_pretrained(path) or hf_alibi.models.AlibiGPT2LMHeadModel"
+    assert advice in config["n_positions"]
     assert "_attn_implementation_internal" not in config
     assert (saved["gpt2"][2] / "model.safetensors").exists()
 
