@@ -123,11 +123,9 @@ class _RegistersModelClasses:
 
     def __setstate__(self, state: dict) -> None:
         # unpickled (in another process: vLLM's workers, DataLoader workers), no __post_init__ runs: register there too
-        parent = getattr(super(), "__setstate__", None)
-        if parent is not None:
-            parent(state)
-        else:
-            self.__dict__.update(state)
+        # (PretrainedConfig has no __setstate__ of its own: checked on 5.19 and 5.24; a copy in a traced forward, T5's,
+        # comes here too, and the registration is then a dict look-up)
+        self.__dict__.update(state)
         self._register_model_classes()
 
     def _register_model_classes(self) -> None:

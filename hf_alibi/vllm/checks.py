@@ -6,7 +6,7 @@ from __future__ import annotations
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from ..core.config import NO_MAXIMUM
-from . import DEFAULT_MAX_MODEL_LEN, check
+from .support import DEFAULT_MAX_MODEL_LEN, check
 
 
 class AlibiConfig(VerifyAndUpdateConfig):

@@ -18,7 +18,7 @@ from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_I
 
 from ..core.names import grant_engine
 from ..core.slopes import CAUSAL
-from . import check, rank_slopes
+from .support import check, rank_slopes
 
 
 class AlibiForCausalLM(TransformersForCausalLM):
