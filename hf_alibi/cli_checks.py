@@ -22,6 +22,7 @@ from .cli_parser import flag
 from .core.settings import check_pretrained_options, conversion_options
 from .gguf import check_output_file
 from .recover.settings import settings_from_flags
+from .serve_guard import ServeOptionError, take_cap
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 # config.json's names of the head count (transformers' attribute_map aliases of num_attention_heads)
@@ -188,7 +189,11 @@ def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
 
 def check_serve_arguments(argv: list[str]) -> None:
     """``hf-alibi serve MODEL ...``'s options that this command answers in its own form before `transformers
-    serve` parses them (with the library loaded): the port, a number from 0 to 65535."""
+    serve` parses them (with the library loaded): the port, a number from 0 to 65535, and the cap on new tokens."""
+    try:
+        take_cap(argv)
+    except ServeOptionError as error:
+        raise CliError(str(error)) from None
     name = flag("port")
     for index, argument in enumerate(argv):
         if argument == name or argument.startswith(name + "="):

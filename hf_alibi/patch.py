@@ -23,7 +23,15 @@ from .core.architectures import Architecture
 from .core.config import get_settings
 from .core.conversion import check_fits, check_sinks_fit, convert
 from .core.names import is_alibi
-from .core.settings import FITTED, AlibiSettings, FittedSlopes, TimesOriginalLength, conversion_options, presets
+from .core.settings import (
+    FITTED,
+    AlibiSettings,
+    FittedSlopes,
+    TimesOriginalLength,
+    conversion_options,
+    preset_name,
+    presets,
+)
 from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
 from .core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
 from .native import NativeArchitecture, patch_native
@@ -323,7 +331,7 @@ def _check_native_arguments(row: NativeArchitecture, config, heads, encoder_vari
     """One-line ``ValueError`` for an argument of :func:`patch_model` that means nothing for a model trained with
     ALiBi: it keeps its own slopes, heads and causal attention."""
     given = [name for name, value in options.items() if value is not None]
-    given += ["preset"] * (preset not in (None, "paper")) + ["encoder_variant"] * (encoder_variant is not None)
+    given += ["preset"] * (preset_name(preset) is not None) + ["encoder_variant"] * (encoder_variant is not None)
     if given:
         raise ValueError(
             f"{', '.join(given)} do(es) not apply to {row.model_type}: it was trained with ALiBi and keeps its own "

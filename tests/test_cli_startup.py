@@ -109,7 +109,7 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
 
 def test_value_errors_come_before_the_library(folders, tmp_path):
     """The conversion options' values, checked as the library checks them (from SRC's config.json and its row),
-    and serve's port: in the parser's form, exit 2, torch not imported (issue 44)."""
+    and serve's port, cap and engine: in the parser's form, exit 2, torch not imported (issue 44)."""
     out = str(tmp_path / "a")
     convert = ["convert", folders["src"], out]
     cases = [
@@ -123,6 +123,8 @@ def test_value_errors_come_before_the_library(folders, tmp_path):
         ([*convert, "--encoder-variant", "symmetric"], "applies to bidirectional attention only"),
         (["serve", folders["src"], "--port", "abc"], "argument --port: invalid port 'abc'"),
         (["serve", folders["src"], "--port=70000"], "argument --port: invalid port '70000'"),
+        (["serve", folders["src"], "--max-new-tokens-cap", "0"], "--max-new-tokens-cap takes a positive number"),
+        (["serve", folders["src"], "--engine", "sglang"], "argument --engine: invalid choice 'sglang'"),
     ]
     results = _run([argv for argv, _ in cases])
     for (argv, message), result in zip(cases, results):

@@ -11,6 +11,7 @@ prefill; its OpenAI server on 127.0.0.1 answering concurrent HTTP requests; the 
 import hf_alibi_vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
 
 # isort: split
+import importlib.util
 import json
 import os
 import pickle
@@ -115,6 +116,18 @@ def test_each_tensor_parallel_rank_gets_its_heads_slopes():
     assert [s for r in range(4) for s in rank_slopes(slopes, 2, r)] == list(slopes)
     with pytest.raises(ValueError, match="needs 12 slopes"):
         rank_slopes(slopes, 4, 2)
+
+
+def test_serve_engine_vllm_without_vllm_is_one_line_before_anything_loads(tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the vllm tier serves with it")
+    tiny_llama().save_pretrained(tmp_path / "m")
+    code = "import sys, hf_alibi_cli; sys.exit(hf_alibi_cli.main(sys.argv[1:])); "
+    run = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "m"), "--engine", "vllm"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "hf-alibi: error: --engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md)."
+    ]
 
 
 def test_every_converted_causal_lm_class_is_named_for_vllm():

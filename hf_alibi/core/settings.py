@@ -256,11 +256,23 @@ def presets() -> dict[str, dict[str, Any]]:
     >>> presets()["pretrained"]["sinks"], presets()["paper"]
     (1, {})
     """
-    named: dict[str, dict[str, Any]] = {"paper": {}}
+    named: dict[str, dict[str, Any]] = {PAPER: {}}
     for option in conversion_options():
         for name, value in option.metadata["presets"].items():
             named.setdefault(name, {})[option.name] = value
     return named
+
+
+PAPER = "paper"  # the preset that is the paper's method: every option at its default, as no preset
+
+
+def preset_name(preset: str | None) -> str | None:
+    """A preset's one spelling: ``None`` for the paper's method (``"paper"`` or no preset), else its name.
+
+    >>> preset_name("paper"), preset_name(None), preset_name("pretrained")
+    (None, None, 'pretrained')
+    """
+    return None if preset == PAPER else preset
 
 
 def describe_options(settings: AlibiSettings) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.names import ENCODER_VARIANTS
-from ..core.settings import conversion_options, flag_spellings, presets
+from ..core.settings import conversion_options, flag_spellings, preset_name, presets
 from .lengths import EVAL_FACTORS, MAX_DEFAULT_LENGTH, MAX_EVAL_LENGTH
 
 HIDDEN_LAYERS = ("last", "all")  # the hidden-state loss on the last layer, or the mean over every layer's output
@@ -261,8 +261,7 @@ class RecoverySettings:
     def __post_init__(self):
         # a list is accepted (and kept hashable, as a frozen dataclass should be)
         object.__setattr__(self, "eval_factors", tuple(self.eval_factors))
-        if self.preset == "paper":  # the paper's method has one spelling from here on: None, as patch_model's
-            object.__setattr__(self, "preset", None)
+        object.__setattr__(self, "preset", preset_name(self.preset))  # the paper's method: None, as patch_model's
         for declared in dataclasses.fields(self):
             check = declared.metadata["check"]
             if check is not None:
