@@ -233,6 +233,23 @@ def _paged_cache_class() -> type:
     return PagedAttentionCache
 
 
+def update_paged_cache_in_attention(module, key: torch.Tensor, value: torch.Tensor, kwargs: dict):
+    """``(key, value)`` of this attention call, written to continuous batching's paged cache and read back with each
+    request's cached keys where the call itself must do it (``kwargs`` narrowed in place to the layer's own
+    ``cu_seq_lens_k`` / ``max_length_k``, the cache taken out of them), else as given.
+
+    Before transformers 5.24 (checked on 5.19.0) a model's forward takes continuous batching's cache in its
+    ``**kwargs`` as ``cache`` (its own argument is ``past_key_values``) and hands it down to the attention
+    function, where transformers' sdpa and paged|eager functions call ``cache.update(key, value, layer_idx,
+    kwargs)``. From 5.24 on (checked on 5.24.0) the attention layer calls it, with its cache argument ``cache``,
+    and no cache reaches the attention function."""
+    cache = kwargs.get("cache")
+    if cache is None or not is_paged_cache(cache):
+        return key, value
+    del kwargs["cache"]  # the kernels must not write it again (5.19's sdpa would)
+    return cache.update(key, value, module.layer_idx, kwargs)
+
+
 def paged_layer_window(cache, layer_idx: int) -> int | None:
     """The sliding window of layer ``layer_idx`` in a ``PagedAttentionCache`` (its allocator's ``sliding_window``,
     found through ``layer_to_allocator``; checked on 5.24.0), ``None`` for a full-attention layer."""
@@ -277,6 +294,7 @@ __all__ = [
     "store_attn_implementation",
     "store_output_attentions",
     "torch_openmp_library",
+    "update_paged_cache_in_attention",
     "zeros_unless_loaded",
     "stored_attn_implementation",
     "stored_output_attentions",
