@@ -156,16 +156,19 @@ def register_recorded_outputs(model) -> None:
     """Tell transformers' output recording what ``model`` records after its class changed.
 
     ``capture_outputs`` (``output_hidden_states``, ``output_attentions``, ...) looks the model's
-    ``_can_record_outputs`` up in ``utils.output_capturing._CAN_RECORD_REGISTRY``, keyed on the class
-    name and filled by ``PreTrainedModel.__init__`` (checked on 5.23): a model whose class is swapped
-    after ``__init__`` (``Alibi<Class>``) is missing there and records nothing. Older releases without
+    ``_can_record_outputs`` up in ``utils.output_capturing._CAN_RECORD_REGISTRY``, keyed on
+    ``str(model.__class__)`` and filled by ``PreTrainedModel.__init__``: a model whose class is swapped
+    after ``__init__`` (``Alibi<Class>``) is missing there and records nothing. On 5.23 and 5.24 (checked on
+    5.24.0) the registry is a dict subclass whose ``__setitem__`` takes the model and makes the key itself;
+    on 5.19 (checked on 5.19.0) a plain dict, where the caller writes the key. Older releases without
     the registry read the class attribute itself and need nothing.
     """
     try:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:
         return
-    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    key = str(model.__class__) if type(_CAN_RECORD_REGISTRY) is dict else model
+    _CAN_RECORD_REGISTRY[key] = model._can_record_outputs
 
 
 # A model's forward takes its KV cache as ``cache`` from transformers 5.24 on (``past_key_values`` and
