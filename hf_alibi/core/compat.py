@@ -171,6 +171,16 @@ def register_recorded_outputs(model) -> None:
     _CAN_RECORD_REGISTRY[key] = model._can_record_outputs
 
 
+def supports_sdpa(model_class: type) -> bool:
+    """What ``Alibi<Class>`` answers for ``_supports_sdpa``, which ``PreTrainedModel`` reads to load a model on sdpa
+    when no attention is asked for: its original's, unless the type's config soft-caps attention scores by default
+    (``attn_logit_softcapping``), which sdpa cannot do. transformers 5.24 says False for such types itself (Gemma 2;
+    checked on 5.24.0); 5.19 says True for Gemma 2 (checked on 5.19.0), whose sdpa then drops the cap, and hf_alibi's
+    sdpa refuses it: such a model loads on eager on both."""
+    soft_caps = getattr(getattr(model_class, "config_class", None), "attn_logit_softcapping", None) is not None
+    return bool(model_class._supports_sdpa) and not soft_caps
+
+
 # A model's forward takes its KV cache as ``cache`` from transformers 5.24 on (``past_key_values`` and
 # ``cache_params`` still accepted and renamed inside the forward, after the pre-hooks ran); before, as
 # ``past_key_values``. Checked on 5.23.0 and 5.24.0.
@@ -296,6 +306,7 @@ __all__ = [
     "repeat_kv",
     "store_attn_implementation",
     "store_output_attentions",
+    "supports_sdpa",
     "torch_openmp_library",
     "update_paged_cache_in_attention",
     "zeros_unless_loaded",

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .architectures import Architecture, check_strategy, find_architecture
 from .batching import make_manager
 from .bias import AlibiBias
-from .compat import register_recorded_outputs, zeros_unless_loaded
+from .compat import register_recorded_outputs, supports_sdpa, zeros_unless_loaded
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickles and imports named here)
     CheckpointsInForward,
@@ -223,6 +223,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
             # engines that run transformers models through their own attention function (vLLM's and SGLang's
             # transformers backends) check this: theirs would drop the bias, so they refuse with their message
             "_supports_attention_backend": False,
+            "_supports_sdpa": supports_sdpa(base_cls),  # loaded on eager where the scores are soft-capped
             "__module__": module,
             "__qualname__": name,
             "__doc__": f"{base_cls.__name__} with ALiBi instead of position embeddings (made by hf_alibi).",
