@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
-from .core.compat import is_exporting
+from .core.compat import CACHE_ARGUMENTS, cache_argument, is_exporting
 from .core.flash import flash_refusal
 from .core.forward import (
     KEYWORD,
@@ -66,7 +66,7 @@ class NativeArchitecture:
     bias_max: str | None = None  # MPT: the config field of its bias max (the slopes' exponent)
     scaling: str = "inv_norm_factor"  # the module's scale of q.k
     dropout: str = "attention_dropout"  # the module's attention dropout (an nn.Dropout or its probability)
-    cache: str = "layer_past"  # the forward's cache argument
+    cache: str = "layer_past"  # the forward's cache argument (one of compat.CACHE_ARGUMENTS: the release's name)
     clip: str | None = None  # MPT: the module's clip_qkv (clamps the fused QKV when set)
     residual: bool = False  # BLOOM: the module adds its output, dropped out by hidden_dropout, to ``residual``
     bias_before_scaling: bool = False  # Falcon: (q.k + bias) * scale, so the slopes are scaled too
@@ -223,7 +223,7 @@ class NativeAlibiAttention(nn.Module):
         if paged is not None:  # a continuous-batching step: the model's forward ran without the paged cache
             key, value, arguments = paged.update(key, value, self.layer_idx)
             mask = None  # the attention builds each request's mask from the arguments (batching.py)
-        elif (cache := values.get(row.cache)) is not None:
+        elif (cache := cache_argument(values) if row.cache in CACHE_ARGUMENTS else values.get(row.cache)) is not None:
             key, value = cache.update(key, value, self.layer_idx)
         dropout = getattr(self, row.dropout)
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
