@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
-from .core.compat import CACHE_ARGUMENTS, cache_argument, is_exporting
+from .core.compat import CACHE_ARGUMENTS, block_mask_free_generate_masks, cache_argument, is_exporting
 from .core.flash import flash_refusal
 from .core.forward import (
     KEYWORD,
@@ -311,10 +311,14 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         # that keeps the backend (sdpa or eager) and runs the bias through the paged cache (batching.py)
         return make_manager(self, generation_config, continuous_batching_config, workload_hints)
 
+    # generate() with a static cache on flex, where the release cannot take flex's mask made in advance
+    masks_for_generate = block_mask_free_generate_masks()
+    extra = {} if masks_for_generate is None else {"create_masks_for_generate": masks_for_generate}
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
         (CheckpointsInForward, original),
         {
+            **extra,
             "forward": forward,
             "set_attn_implementation": set_attn_implementation,
             "init_continuous_batching": init_continuous_batching,

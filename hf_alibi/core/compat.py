@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
 from transformers import PretrainedConfig
 
 # Checked on transformers 5.0 to 5.23: integrations/sdpa_attention.py's grouped-KV helper,
@@ -370,8 +371,34 @@ def attn_implementation(config: PretrainedConfig) -> str | dict | None:
     return config._attn_implementation
 
 
+def block_mask_free_generate_masks():
+    """A ``create_masks_for_generate`` method for a model class where transformers' ``generate()`` cannot take the
+    mask that function makes, else ``None``.
+
+    ``generate()`` makes a static cache's mask in advance with the model's ``create_masks_for_generate`` (else
+    ``masking_utils.create_masks_for_generate``) and, before 5.24 (checked on 5.19.0), calls ``.contiguous()`` on it,
+    which flex_attention's ``BlockMask`` has not (transformers' own Llama on flex fails so with a static cache); 5.24
+    passes what is not a tensor on (checked on 5.24.0). The method gives the BlockMask's boolean mask in its place,
+    ``(B, 1, q, kv)`` (True where a query attends), which hf_alibi's flex path takes as well."""
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24):
+        return None
+    from transformers.masking_utils import create_masks_for_generate
+
+    def masks_for_generate(self, *args, **kwargs):
+        from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+        mask = create_masks_for_generate(*args, **kwargs)
+        if not isinstance(mask, BlockMask):
+            return mask
+        batch, device = mask.kv_num_blocks.shape[0], mask.kv_num_blocks.device
+        return create_mask(mask.mask_mod, batch, None, *mask.seq_lengths, device=device)
+
+    return masks_for_generate
+
+
 __all__ += [
     "attn_implementation",
+    "block_mask_free_generate_masks",
     "loss_is_per_batch_mean",
     "name_or_path",
     "relative_import_files",
