@@ -21,7 +21,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig
 
 from .core.architectures import REGISTERED, Architecture, find_architecture
-from .core.compat import auto_class_names
+from .core.compat import auto_class_names, is_exporting
 from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.conversion import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
@@ -123,7 +123,9 @@ class _RegistersModelClasses:
 
     def __setstate__(self, state: dict) -> None:
         # unpickled (in another process: vLLM's workers, DataLoader workers), no __post_init__ runs: register there too
-        parent = getattr(super(), "__setstate__", None)
+        # Also deep-copied inside a traced forward (transformers 5.19's get_text_config copies an encoder-decoder's
+        # config when a T5 stack makes its cache), where dynamo cannot trace a lookup on super(): no base defines one
+        parent = None if is_exporting() else getattr(super(), "__setstate__", None)
         if parent is not None:
             parent(state)
         else:
