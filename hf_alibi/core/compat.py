@@ -12,7 +12,7 @@ import functools
 
 import torch
 import transformers
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 # Checked on transformers 5.0 to 5.24 (last on 5.19.0 and 5.24.0): integrations/sdpa_attention.py's grouped-KV
 # helper, (B, H_kv, L, D) -> (B, H_kv * n_rep, L, D).
@@ -102,6 +102,19 @@ def stored_output_attentions(config: PretrainedConfig) -> bool | None:
     """Where ``PretrainedConfig.output_attentions`` (a property) keeps its value: ``_output_attentions``
     (checked on transformers 5.19.0, 5.23.0 and 5.24.0; ``to_dict`` writes it as ``output_attentions``)."""
     return config._output_attentions
+
+
+def submodels_set_attn_implementation_skips(model) -> list:
+    """The submodels (``PreTrainedModel`` with a config object of their own) whose config ``model``'s
+    ``set_attn_implementation`` leaves as it was: before 5.24 (checked on 5.19.0) it skips those whose config is of
+    the model's config class (T5's encoder and decoder stacks, which hold copies of it); 5.24 sets every one (checked
+    on 5.24.0)."""
+    config = model.config
+    return [
+        module for module in model.modules()
+        if module is not model and isinstance(module, PreTrainedModel) and module.config is not config
+        and type(module.config) is type(config)
+    ]  # fmt: skip
 
 
 def store_output_attentions(config: PretrainedConfig, value: bool) -> None:
@@ -314,6 +327,7 @@ __all__ = [
     "repeat_kv",
     "store_attn_implementation",
     "store_output_attentions",
+    "submodels_set_attn_implementation_skips",
     "supports_sdpa",
     "torch_openmp_library",
     "update_paged_cache_in_attention",

@@ -13,7 +13,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .architectures import Architecture, check_strategy, find_architecture
 from .batching import make_manager
 from .bias import AlibiBias
-from .compat import register_recorded_outputs, supports_sdpa, zeros_unless_loaded
+from .compat import (
+    register_recorded_outputs,
+    store_attn_implementation,
+    stored_attn_implementation,
+    submodels_set_attn_implementation_skips,
+    supports_sdpa,
+    zeros_unless_loaded,
+)
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickles and imports named here)
     CheckpointsInForward,
@@ -196,7 +203,11 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
         for name in names:
             if isinstance(name, str):
                 check_backend(name)
-        return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+        result = super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+        if isinstance(attn_implementation, str):  # what transformers 5.24 does itself (T5's stacks)
+            for module in submodels_set_attn_implementation_skips(self):
+                store_attn_implementation(module.config, stored_attn_implementation(self.config))
+        return result
 
     @functools.wraps(base_cls.forward)  # the original's signature (transformers and the Trainer inspect it)
     def forward(self, *args, **kwargs):
