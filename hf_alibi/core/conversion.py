@@ -30,7 +30,7 @@ from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickl
     call_forward,
     hook_base,
 )
-from .names import check_backend
+from .names import base_name, check_backend
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL, scaled_slopes_list
 from .strategies import POSITION_READERS, STRATEGIES, RetainedTable, find_modules
@@ -142,6 +142,11 @@ def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, 
     # transformers keys what a model records (hidden states, attentions) on its class: the new one too
     register_recorded_outputs(model)
     apply(model, settings, row)
+    stored = stored_attn_implementation(model.config)
+    if not alibi_class._supports_sdpa and isinstance(stored, str) and base_name(stored) == "sdpa":
+        # the original was loaded on sdpa where transformers allows it but the scores are soft-capped (Gemma 2 on
+        # transformers 5.19, whose sdpa drops the cap): eager, which from_pretrained picks for the converted class
+        model.set_attn_implementation("eager")
 
 
 def _alibi_sub_configs(model: PreTrainedModel) -> None:
