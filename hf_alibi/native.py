@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core.batching import LAYER_ARGUMENTS, make_manager
 from .core.bias import AlibiBias
-from .core.compat import is_exporting
+from .core.compat import CACHE_ARGUMENTS, block_mask_free_generate_masks, cache_argument, is_exporting
 from .core.config import rebind_config
 from .core.forward import (
     KEYWORD,
@@ -68,7 +68,7 @@ class NativeArchitecture:
     bias_max: str | None = None  # MPT: the config field of its bias max (the slopes' exponent)
     scaling: str = "inv_norm_factor"  # the module's scale of q.k
     dropout: str = "attention_dropout"  # the module's attention dropout (an nn.Dropout or its probability)
-    cache: str = "layer_past"  # the forward's cache argument
+    cache: str = "layer_past"  # the forward's cache argument (one of compat.CACHE_ARGUMENTS: the release's name)
     clip: str | None = None  # MPT: the module's clip_qkv (clamps the fused QKV when set)
     residual: bool = False  # BLOOM: the module adds its output, dropped out by hidden_dropout, to ``residual``
     bias_before_scaling: bool = False  # Falcon: (q.k + bias) * scale, so the slopes are scaled too
@@ -240,7 +240,7 @@ class NativeAlibiAttention(nn.Module):
         if paged is not None:  # a continuous-batching step: the model's forward ran without the paged cache
             key, value, arguments = paged.update(key, value, self.layer_idx)
             mask = None  # the attention builds each request's mask from the arguments (batching.py)
-        elif (cache := values.get(row.cache)) is not None:
+        elif (cache := cache_argument(values) if row.cache in CACHE_ARGUMENTS else values.get(row.cache)) is not None:
             key, value = cache.update(key, value, self.layer_idx)
         dropout = getattr(self, row.dropout)
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
@@ -330,10 +330,14 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
         # that keeps the backend (sdpa or eager) and runs the bias through the paged cache (batching.py)
         return make_manager(self, generation_config, continuous_batching_config, workload_hints)
 
+    # generate() with a static cache on flex, where the release cannot take flex's mask made in advance
+    masks_for_generate = block_mask_free_generate_masks()
+    extra = {} if masks_for_generate is None else {"create_masks_for_generate": masks_for_generate}
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
         (CheckpointsInForward, original),
         {
+            **extra,
             "forward": forward,
             "set_attn_implementation": set_attn_implementation,
             "init_continuous_batching": init_continuous_batching,

@@ -13,7 +13,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from .architectures import Architecture, check_strategy, find_architecture
 from .batching import make_manager
 from .bias import AlibiBias
-from .compat import register_recorded_outputs, zeros_unless_loaded
+from .compat import (
+    register_recorded_outputs,
+    store_attn_implementation,
+    stored_attn_implementation,
+    submodels_set_attn_implementation_skips,
+    supports_sdpa,
+    zeros_unless_loaded,
+)
 from .config import AlibiConfigMixin, alibi_config_class, alibi_config_copy, get_settings, rebind_config
 from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickles and imports named here)
     CheckpointsInForward,
@@ -23,7 +30,7 @@ from .forward import (  # noqa: F401  (ForwardSetup, bound_arguments: what pickl
     call_forward,
     hook_base,
 )
-from .names import check_backend
+from .names import base_name, check_backend
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL
 from .strategies import POSITION_READERS, STRATEGIES, RetainedTable, find_modules
@@ -135,6 +142,11 @@ def convert(model: PreTrainedModel, settings: AlibiSettings, row: Architecture, 
     # transformers keys what a model records (hidden states, attentions) on its class: the new one too
     register_recorded_outputs(model)
     apply(model, settings, row)
+    stored = stored_attn_implementation(model.config)
+    if not alibi_class._supports_sdpa and isinstance(stored, str) and base_name(stored) == "sdpa":
+        # the original was loaded on sdpa where transformers allows it but the scores are soft-capped (Gemma 2 on
+        # transformers 5.19, whose sdpa drops the cap): eager, which from_pretrained picks for the converted class
+        model.set_attn_implementation("eager")
 
 
 def _alibi_sub_configs(model: PreTrainedModel) -> None:
@@ -196,7 +208,11 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
         for name in names:
             if isinstance(name, str):
                 check_backend(name)
-        return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+        result = super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
+        if isinstance(attn_implementation, str):  # what transformers 5.24 does itself (T5's stacks)
+            for module in submodels_set_attn_implementation_skips(self):
+                store_attn_implementation(module.config, stored_attn_implementation(self.config))
+        return result
 
     @functools.wraps(base_cls.forward)  # the original's signature (transformers and the Trainer inspect it)
     def forward(self, *args, **kwargs):
@@ -223,6 +239,7 @@ def alibi_model_class(base_cls: type[PreTrainedModel], config_cls: type, module:
             # engines that run transformers models through their own attention function (vLLM's and SGLang's
             # transformers backends) check this: theirs would drop the bias, so they refuse with their message
             "_supports_attention_backend": False,
+            "_supports_sdpa": supports_sdpa(base_cls),  # loaded on eager where the scores are soft-capped
             "__module__": module,
             "__qualname__": name,
             "__doc__": f"{base_cls.__name__} with ALiBi instead of position embeddings (made by hf_alibi).",

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
-from .compat import base_mask_function, is_exporting, stored_attn_implementation
+from .compat import base_mask_function, is_exporting, stored_attn_implementation, update_paged_cache_in_attention
 from .denormals import bracket, flushed
 from .dense import eager_attention_forward, sdpa_attention_forward
 from .fa4 import fa4_alibi_attention
@@ -112,6 +112,8 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
         forward = forward_of(alibi, kwargs)  # this forward, as the model passed it down (out of kwargs)
         if alibi is None:  # cross-attention: no position bias
             return plain_backend(module, query, key, value, attention_mask, **kwargs)
+        if forward.paged is not None:  # a continuous-batching step (before transformers 5.24: the cache written here)
+            key, value = update_paged_cache_in_attention(module, key, value, kwargs)
         # a decoding step's layers after the first: the first one's choice (the bias path) and its mask
         mask = shared_mask(forward, alibi, query, key.shape[2], attention_mask)
         if mask is None:

@@ -94,7 +94,7 @@ def long_inputs(case, model) -> dict:
 
 def default_backend(model_type: str) -> str:
     """transformers' default backend for the model type's classes: sdpa where they allow it (gemma2: eager)."""
-    return "sdpa" if all(c._supports_sdpa for c in alibi_classes(model_type)) else "eager"
+    return "sdpa" if all(c._supports_sdpa for c in alibi_classes(model_type).values()) else "eager"
 
 
 def _variant_dir(variant) -> str:
