@@ -97,14 +97,19 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
         (["serve", str(tmp_path / "missing")], "MODEL"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ]
+    _assert_one_line_errors(cases)
+    assert (Path(folders["full"]) / "keep.txt").read_text() == "a user's file"
+    assert not (tmp_path / "a").exists()
+
+
+def _assert_one_line_errors(cases: list) -> None:
+    # each command line answers exit 2 and one line in the parser's form holding its message, torch not imported
     results = _run([argv for argv, _ in cases])
     for (argv, message), result in zip(cases, results):
         assert result["code"] == 2, (argv, result)
         lines = result["err"].strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("hf-alibi: error:") and message in lines[0], (argv, result)
         assert result["heavy"] == [], (argv, result["heavy"])
-    assert (Path(folders["full"]) / "keep.txt").read_text() == "a user's file"
-    assert not (tmp_path / "a").exists()
 
 
 def test_value_errors_come_before_the_library(folders, tmp_path):
@@ -126,12 +131,7 @@ def test_value_errors_come_before_the_library(folders, tmp_path):
         (["serve", folders["src"], "--max-new-tokens-cap", "0"], "--max-new-tokens-cap takes a positive number"),
         (["serve", folders["src"], "--engine", "sglang"], "argument --engine: invalid choice 'sglang'"),
     ]
-    results = _run([argv for argv, _ in cases])
-    for (argv, message), result in zip(cases, results):
-        assert result["code"] == 2, (argv, result)
-        lines = result["err"].strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("hf-alibi: error:") and message in lines[0], (argv, result)
-        assert result["heavy"] == [], (argv, result["heavy"])
+    _assert_one_line_errors(cases)
     assert not (tmp_path / "a").exists()
 
 

@@ -96,8 +96,9 @@ def fa4_kernels(device: torch.device) -> tuple:
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
         except ImportError as error:
             raise ImportError(
-                "attn_implementation='flash_attention_4' with ALiBi needs flash-attn-4 (pip install 'hf-alibi[fa4]') "
-                "and a Hopper or Blackwell GPU; otherwise use model.set_attn_implementation('sdpa')."
+                "attn_implementation='flash_attention_4' with ALiBi needs flash-attn-4 (pip install "
+                "flash-attn-4==4.0.0b36, or -e '.[fa4]' in hf_alibi's checkout) and a Hopper or Blackwell GPU; "
+                "otherwise use model.set_attn_implementation('sdpa')."
             ) from error
         _FOUND["kernels"] = (flash_attn_func, flash_attn_varlen_func, _cute_score_mods(cute, cutlass, mlir_math))
     if device.type != "cuda":

@@ -77,7 +77,7 @@ KERNELS: tuple[Kernel, ...] = (
         rounding=False,
         label="FlashAttention-4's ALiBi score_mod",
         packages=("flash_attn", "cutlass"),
-        install="pip install 'hf-alibi[fa4]' (flash-attn-4)",
+        install="pip install flash-attn-4==4.0.0b36, or pip install -e '.[fa4]' in a checkout of hf_alibi",
     ),  # fmt: skip
 )
 KERNEL_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
