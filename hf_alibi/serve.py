@@ -103,6 +103,24 @@ def native_loader(config: dict, model: str) -> type:
 _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained with ALiBi -> its serving subclass
 
 
+# transformers' server whose requests serve_guard checks and bounds (tests/test_serve_guard.py): on 5.19 (vLLM's CPU
+# pin) a completion's max_tokens was seen not honoured behind the guard, so the cap would not hold there
+SERVER_CHECKED = "5.24"
+
+
+def check_server_version() -> None:
+    """One-line refusal where transformers' server is older than the one :mod:`hf_alibi.serve_guard` was checked on."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    if Version(__version__) < Version(SERVER_CHECKED):
+        raise MissingServingExtras(
+            f"hf-alibi serve checks and bounds requests for transformers {SERVER_CHECKED}'s server or newer, and "
+            f"this is transformers {__version__}: pip install 'transformers>={SERVER_CHECKED}', or serve with "
+            "--engine vllm."
+        )
+
+
 def serve(model: str, arguments: list[str]) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
     checked and bounded first, and the process ended if the continuous-batching worker dies
@@ -115,6 +133,7 @@ def serve(model: str, arguments: list[str]) -> None:
     cap, arguments = take_cap(arguments)
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
         raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")
+    check_server_version()
     serving_class(model)  # first: making the class may replace sys.modules["transformers"] (see serving_class)
     app = transformers_cli_app()  # its modules bind the transformers module that now holds the name
     serving_class(model)
