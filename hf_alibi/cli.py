@@ -24,7 +24,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import sys
 
 # Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
@@ -198,11 +197,9 @@ def _exec_vllm(argv: list[str]) -> None:
     # vLLM's OpenAI server in this process's place, every process of it started as hf_alibi_vllm starts them
     if importlib.util.find_spec("vllm") is None:
         raise CliError("--engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md).")
-    import hf_alibi_vllm
-    from hf_alibi_vllm import server
+    from hf_alibi_vllm.server import exec_server
 
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, server.__file__, *argv], hf_alibi_vllm.environment())
+    exec_server(argv)
 
 
 def run_serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:

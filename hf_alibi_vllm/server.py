@@ -7,9 +7,10 @@ its parent's main file before anything else, but never a ``__main__`` module of 
 vLLM's (``vllm serve``'s api_server entry): every option is vLLM's.
 """
 
+import os
 import sys
 
-import hf_alibi_vllm  # noqa: F401  (first, here and in every process vLLM spawns from this file)
+import hf_alibi_vllm  # first, here and in every process vLLM spawns from this file
 
 
 def main(argv: list[str]) -> None:
@@ -20,6 +21,13 @@ def main(argv: list[str]) -> None:
 
     sys.argv = ["vllm", *argv]  # its parser reads sys.argv
     api_server()
+
+
+def exec_server(argv: list[str]) -> None:
+    """This file, with ``argv``, in the calling process's place, in :func:`hf_alibi_vllm.environment` (``python -m
+    hf_alibi_vllm`` and ``hf-alibi serve MODEL --engine vllm``)."""
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], hf_alibi_vllm.environment())
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch import nn
 from .batching import PagedBatch, paged_batch
 from .compat import cache_argument, is_exporting, with_checkpoint_function
 from .mask import attends
-from .names import ENGINE_GRANT
+from .names import granted_engine
 from .packing import document_starts, is_packed
 
 KEYWORD = "alibi_forward"  # the keyword argument an AlibiForward travels under
@@ -154,7 +154,7 @@ def before_forward(
     attention function places the bias and each request's tokens, and the position ids reach the model as given)."""
     if kwargs.get(KEYWORD) is not None:
         return args, kwargs, None
-    if ENGINE_GRANT in getattr(module.config, "__dict__", ()):  # another engine's kernels place the bias (vLLM's)
+    if granted_engine(module.config) is not None:  # another engine's kernels place the bias (vLLM's)
         return args, kwargs, None
     args, kwargs, documents, paged = _read_position_ids(setup.reads_positions, module, args, kwargs)
     starts = end = None
