@@ -20,27 +20,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import test_serve
 import torch
 import transformers
-from packaging import version
 from test_serve import start, stop
-from transformers.utils.import_utils import is_serve_available
 
 import hf_alibi
 from hf_alibi.cli import main as cli_main
 from hf_alibi.data import train_tokenizer
-from hf_alibi.serve import SERVER_CHECKED
 
-pytestmark = [
-    pytest.mark.skipif(
-        not is_serve_available(),
-        reason="transformers serve needs its serving extra: pip install 'transformers[serving]'",
-    ),
-    pytest.mark.skipif(  # below it, hf-alibi serve refuses in one line (test_serve_version.py)
-        version.parse(transformers.__version__) < version.parse(SERVER_CHECKED),
-        reason=f"hf-alibi serve wraps transformers {SERVER_CHECKED}'s server or newer",
-    ),
-]
+pytestmark = test_serve.pytestmark  # the serving extra, and the server version hf-alibi serve wraps
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Attention with linear biases.", "Hello world, how are you?"]
 # prefixes of the training text, cut at words: in distribution, so greedy decoding is decisive

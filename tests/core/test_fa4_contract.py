@@ -9,6 +9,7 @@ import fa4_standin
 import pytest
 import torch
 from arch_cases import CASES, VOCAB
+from contract_inputs import BF16, D, H, expanded, inputs
 from reference import explicit_bias, fairseq_slopes, reference_attention
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -20,9 +21,6 @@ from hf_alibi.core.compat import store_attn_implementation
 from hf_alibi.core.forward import AlibiForward
 from hf_alibi.core.packing import document_starts
 from hf_alibi.core.slopes import KeyRounding
-
-H, D = 4, 16
-BF16 = torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
@@ -43,17 +41,6 @@ def run(layer, q, k, v, mask=None, **kwargs):
     out, _ = ALL_ATTENTION_FUNCTIONS["alibi_flash_attention_4"](layer, q, k, v, mask, scaling=D**-0.5, **kwargs)
     assert layer.alibi.last_path == "fa4"
     return out.transpose(1, 2).double()  # (B, H, q, D)
-
-
-def inputs(batch, q_len, kv_len, kv_heads=H, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, H, q_len, D, generator=g).to(BF16)
-    k, v = (torch.randn(batch, kv_heads, kv_len, D, generator=g).to(BF16) for _ in range(2))
-    return q, k, v
-
-
-def expanded(t):
-    return t.repeat_interleave(H // t.shape[1], dim=1)
 
 
 def close(out, ref, v):  # the output is rounded to bf16 once: 2^-8 of the largest value
