@@ -13,6 +13,7 @@ step, and cached generation tokens/s (a prompt of L tokens, ``--new-tokens`` gre
 - ``unpatched-flash``, ``unpatched-cudnn``, ``unpatched-efficient``: the stock model on ``sdpa`` with SDPA held to one
   kernel (``sdpa_kernel``); which one PyTorch picks by itself depends on the cuDNN version, so the baseline of every
   ratio is the fastest of the three at that length (the lowest step time, the highest tokens/s), named in the table;
+- ``auto``: the ALiBi model on ``sdpa`` as a user gets it (the path ``dispatch.choose_path`` picks, nothing forced);
 - ``fold-flash``: the ALiBi model on ``sdpa``, the fold's channel construction (``HF_ALIBI_FOLD=channel``: a q/k head
   of 72, run by SDPA's flash kernel in its 96-wide variant); ``fold-cudnn``: the cudnn construction
   (``HF_ALIBI_FOLD=cudnn``: q/k 72, values 64, cuDNN's attention); the automatic choice is the latter on CUDA;
@@ -53,7 +54,7 @@ from builders import build_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's hf_alibi, not another installed copy
 UNPATCHED = ("unpatched-flash", "unpatched-cudnn", "unpatched-efficient")
-ARMS = (*UNPATCHED, "fold-flash", "fold-cudnn", "fa4", "bias", "flex", "flash")
+ARMS = (*UNPATCHED, "auto", "fold-flash", "fold-cudnn", "fa4", "bias", "flex", "flash")
 FOLD_ENV = "HF_ALIBI_FOLD"  # hf_alibi.core.folded.FOLD_ENV (read here without importing torch-side code first)
 
 

@@ -40,6 +40,11 @@ from .slopes import CAUSAL
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
 # H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
 FOLD_MIN_QUERIES = 32
+# On CUDA "auto" keeps the bias path while a head's q x kv scores number at most this: measured on an H200 (bf16, 12
+# layers of 12 heads, GPT-2 and Llama shapes; docs/performance.md), the bias path's training step took 0.80-0.94 of the
+# fold's at 1k and 4k tokens and 1.9x it at 16k, and its prefill was faster at 1k and 4k; the fold's q/k head of 72
+# runs SDPA's flash and cuDNN kernels in a wider variant, while the bias is read by the memory-efficient kernel
+CUDA_BIAS_MAX_SCORES = 4096 * 4096
 # fewer queries than this run without the flush: measured on an Intel Xeon with slow subnormals (5x in the training
 # kernel), one decoding query against 64 to 8192 keys took no longer unflushed, and the flush adds 10-25 us a call
 FLUSH_MIN_QUERIES = 32
@@ -53,7 +58,15 @@ def path_setting() -> str:
     return os.environ.get(PATH_ENV) or AUTO
 
 
-def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict) -> str:
+def cuda_prefers_bias(device_type: str, q_len: int, kv_len: int) -> bool:
+    """Whether "auto" takes the bias path on this device for ``q_len`` queries against ``kv_len`` keys because it is
+    faster there than the fold (CUDA, up to ``CUDA_BIAS_MAX_SCORES`` scores a head), measured, not by construction."""
+    return device_type == "cuda" and q_len * kv_len <= CUDA_BIAS_MAX_SCORES
+
+
+def choose_path(
+    alibi: AlibiBias, backend: str, query: torch.Tensor, attention_mask, kwargs: dict, kv_len: int | None = None
+) -> str:
     """The path this call takes: ``"folded"`` where it is exact and pays, else ``"bias"``.
 
     "auto" folds causal sdpa attention of at least ``FOLD_MIN_QUERIES`` queries in fp32, fp64,
@@ -63,11 +76,10 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
     Performance): the fold (row construction) costs 0.96 to 1.04 of the unpatched model's training
     step in bf16 and fp32 where the bias path costs up to 2x; with a mask (channel construction) it
     is below the bias path from 256 queries and within noise of it at 32 to 128; it never builds an
-    L x L tensor. On CUDA the fold costs 1.26-1.35 of the unpatched GPT-2 step on SDPA's flash kernel (H100,
-    docs/performance.md); its cudnn construction (``folded.fold_construction``) is chosen there by construction,
-    pending measurement (``benchmarks/gpu_session.sh``). While ``torch.export`` or ``torch.compile`` traces, the
-    query count is not looked at (it would become a guard that rejects other lengths): the fold is taken wherever
-    it is exact.
+    L x L tensor. On CUDA (H200, docs/performance.md) the bias path is the faster of the two up to
+    ``CUDA_BIAS_MAX_SCORES`` scores a head (``kv_len``, the keys, default the queries), the fold beyond it (on
+    cuDNN, ``folded.fold_construction``). While ``torch.export`` or ``torch.compile`` traces, the query count is
+    not looked at (it would become a guard that rejects other lengths): the fold is taken wherever it is exact.
 
     ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
     where it would be wrong raises instead of computing something else.
@@ -79,8 +91,12 @@ def choose_path(alibi: AlibiBias, backend: str, query: torch.Tensor, attention_m
             raise ValueError(f"{PATH_ENV}={wanted!r}; expected one of {PATHS}.")
     if wanted == BIAS:
         return BIAS
-    if wanted == AUTO and not is_exporting() and query.shape[2] < FOLD_MIN_QUERIES:
-        return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
+    if wanted == AUTO and not is_exporting():
+        q_len = query.shape[2]
+        if q_len < FOLD_MIN_QUERIES:
+            return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
+        if cuda_prefers_bias(query.device.type, q_len, q_len if kv_len is None else kv_len):
+            return BIAS
     if backend != "sdpa":
         reason = f"only the sdpa backend has it, not {backend!r}"
     else:
@@ -137,7 +153,7 @@ def _choose_and_run(
         alibi.last_path = BIAS
         mask = paged_bias_mask(forward, alibi, module, query, key.shape[2], kwargs)
         return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
-    path = choose_path(alibi, backend_name, query, attention_mask, kwargs)
+    path = choose_path(alibi, backend_name, query, attention_mask, kwargs, key.shape[2])
     if alibi.last_path != path:  # nn.Module's __setattr__ is slow: set only on a change
         alibi.last_path = path
     if path == FOLDED:

@@ -346,6 +346,17 @@ def test_auto_choice_table(backend, kind, dtype, q_len, kv_len, masked, dropout,
         assert fold_construction(q, mask, dropout) == construction
 
 
+def test_cuda_keeps_the_bias_path_while_it_is_the_faster():
+    """On CUDA "auto" takes the bias path up to 4096 x 4096 scores a head and the fold beyond (what an H200 measured,
+    docs/performance.md); on every other device the fold from 32 queries, as the table above says."""
+    from hf_alibi.core.dispatch import cuda_prefers_bias
+
+    assert cuda_prefers_bias("cuda", 4096, 4096) and cuda_prefers_bias("cuda", 1024, 1024)
+    assert cuda_prefers_bias("cuda", 2048, 8192)  # a chunk against a cache: q x kv, not the longer side squared
+    assert not cuda_prefers_bias("cuda", 4096, 4097) and not cuda_prefers_bias("cuda", 16384, 16384)
+    assert not cuda_prefers_bias("cpu", 1024, 1024) and not cuda_prefers_bias("mps", 1024, 1024)
+
+
 def test_half_fold_refused_when_sdpa_may_reduce_in_half_precision():
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
@@ -405,12 +416,13 @@ def _flash_attn_installed() -> bool:
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("length", [1024, 16384])
-def test_gpu_half_fold_runs_on_fast_kernels_and_matches_reference(dtype, length):
-    """The channel construction (the one on CUDA) under SDPA's flash kernel (no mask) and its
-    memory-efficient kernel (a padding mask): the padded head size must be one they accept, and the
+def test_gpu_half_fold_runs_on_fast_kernels_and_matches_reference(dtype, length, monkeypatch):
+    """The channel construction (forced: cuDNN's is the automatic one on CUDA) under SDPA's flash kernel (no mask)
+    and its memory-efficient kernel (a padding mask): the padded head size must be one they accept, and the
     result as accurate as the bias path's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    monkeypatch.setenv("HF_ALIBI_FOLD", "channel")
     q, k, v = (t.cuda() for t in inputs(length, dtype, batch=2))
     assert fold_construction(q, None) == "channel"
     rows = torch.arange(length - 64, length)
@@ -432,7 +444,14 @@ def test_gpu_half_fold_runs_on_fast_kernels_and_matches_reference(dtype, length)
 @pytest.mark.gpu
 @cuda
 def test_gpu_half_fold_gradients_and_auto_choice():
-    layer = Layer().cuda()
+    """The fold's gradients on CUDA against float64 (forced at 512 queries, where "auto" takes the bias path), and
+    the automatic choice there: the bias path up to 4096 x 4096 scores a head, the fold beyond (H200 timings)."""
+    with torch.no_grad():
+        for length, path in ((512, BIAS), (4096, BIAS), (4097, FOLDED)):
+            auto = Layer().cuda()
+            run_layer(auto, *(t.cuda() for t in inputs(length, torch.bfloat16)), None)
+            assert auto.alibi.last_path == path, length
+    layer = Layer(path=FOLDED).cuda()
     q, k, v = (t.cuda().requires_grad_() for t in inputs(512, torch.bfloat16, batch=2))
     out = run_layer(layer, q, k, v, None)
     assert layer.alibi.last_path == FOLDED

@@ -101,10 +101,10 @@ def test_fold_on_cudnn_forward_and_backward_against_float64(length):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_cudnn_is_the_automatic_fold_in_bf16_and_really_runs_cudnn():
+def test_cudnn_is_the_automatic_fold_in_bf16_and_really_runs_cudnn():  # 8192 queries: the fold's side of the choice
     """The automatic choice on this GPU, and that SDPA under it runs cuDNN's kernel (not a fallback): the profiler's
     kernel names."""
-    q, k, v = (t.detach() for t in leaves(1, 1024, 1024))
+    q, k, v = (t.detach() for t in leaves(1, 8192, 8192))  # past 4096 x 4096 scores: "auto" folds on CUDA
     layer = Layer("causal").cuda()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         ALL_ATTENTION_FUNCTIONS["alibi_sdpa"](layer, q, k, v, None, scaling=D**-0.5)
