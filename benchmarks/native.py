@@ -9,7 +9,7 @@ length measured. The two arms are timed interleaved and each figure is the media
 Rows, hf_alibi / transformers: generation tokens/s (greedy, with the cache; above 1 is faster; measured first, each
 arm from two copies, median of at least 7); the train step (forward + backward) time at each ``--train-lengths``; the
 forward's peak memory (no grad; measured as benchmarks/overhead.py does: the resident set's peak above the set before
-the call) at each ``--memory-lengths``. Issue 36's goals: train <= 0.60 at 2048 and <= 0.45 at 4096, memory <= 0.25
+the call) at each ``--memory-lengths``. The goals: train <= 0.60 at 2048 and <= 0.45 at 4096, memory <= 0.25
 at 4096, generation >= 1.0.
 
     python benchmarks/native.py --quick     # a minute: short lengths, one repeat

@@ -125,9 +125,7 @@ def serve(model: str, arguments: list[str]) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
     checked and bounded first, and the process ended if the continuous-batching worker dies
     (:mod:`hf_alibi.serve_guard`)."""
-    import importlib
-
-    from .core.compat import serving_available, transformers_cli_app
+    from .core.compat import serving_available, transformers_cli_app, wrap_server_builder
     from .serve_guard import guarded_build_server, say, start_lines, take_cap
 
     cap, arguments = take_cap(arguments)
@@ -148,6 +146,5 @@ def serve(model: str, arguments: list[str]) -> None:
         ) from None
     for line in start_lines(tokenizer, cap):
         say(line)
-    server = importlib.import_module("transformers.cli.serving.server")
-    server.build_server = guarded_build_server(server.build_server, tokenizer, cap, model)
+    wrap_server_builder(lambda build_server: guarded_build_server(build_server, tokenizer, cap, model))
     app(args=["serve", model, *arguments], prog_name="hf-alibi")

@@ -154,12 +154,12 @@ def watch_worker(generation_state) -> threading.Thread:
     """A daemon thread that ends the process, with one line and :data:`WORKER_DIED_STATUS`, once transformers'
     continuous-batching worker is dead (``GenerationState.is_cb_alive()``; True while none was started)."""
 
+    from .core.compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
+
     def watch():
         while generation_state.is_cb_alive():
             time.sleep(_POLL_SECONDS)
-        manager = getattr(generation_state, "_cb_manager", None)
-        status = getattr(getattr(manager, "_cb", None), "background_thread_status", None)
-        reason = (str(getattr(status, "fatal_error", "")).strip() or "no reason given").splitlines()[0]
+        reason = (cb_worker_fatal_error(generation_state).strip() or "no reason given").splitlines()[0]
         time.sleep(_FLUSH_SECONDS)
         say(f"the continuous-batching worker died ({reason}); exiting with status {WORKER_DIED_STATUS} so that a "
             "supervisor restarts the server")  # fmt: skip
@@ -171,9 +171,8 @@ def watch_worker(generation_state) -> threading.Thread:
 
 
 def guarded_build_server(build_server, tokenizer, cap: int, pinned: str):
-    """transformers' ``build_server`` (``transformers.cli.serving.server.build_server``, which ``Serve`` imports
-    when it runs; checked on transformers 5.24.0), its app given :class:`RequestGuard` and its generation state
-    :func:`watch_worker`."""
+    """transformers' ``build_server`` (replaced through ``compat.wrap_server_builder``), its app given
+    :class:`RequestGuard` and its generation state :func:`watch_worker`."""
     signature = inspect.signature(build_server)
 
     def build(*args, **kwargs):

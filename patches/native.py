@@ -4,7 +4,7 @@ Each row is plain data read by ``hf_alibi.native``: where the fused QKV is and i
 bias is added. Checked against transformers' own classes (tests/architectures/test_native_alibi.py).
 """
 
-from hf_alibi.native import BLOCKS, MPT, NativeArchitecture
+from hf_alibi.native.rows import BLOCKS, MPT, NativeArchitecture
 
 ROWS: list[NativeArchitecture] = [
     # the paper's slopes; bias added after q.k / sqrt(d); fused QKV (H, 3, d); the attention adds the residual

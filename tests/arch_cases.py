@@ -207,7 +207,7 @@ ROTARY_EXTRAS = {
     "qwen3": {},
     "stablelm": dict(partial_rotary_factor=0.25, use_qk_layernorm=True),
     "starcoder2": dict(sliding_window=8, residual_dropout=0.0, embedding_dropout=0.0),
-    # issue 10, second batch (probed from outside first: eager and sdpa within 2e-7 of the reference)
+    # the second batch of rotary decoders (probed from outside first: eager and sdpa within 2e-7 of the reference)
     "apertus": dict(
         rope_parameters=dict(
             rope_type="llama3",

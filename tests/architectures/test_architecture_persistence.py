@@ -51,7 +51,7 @@ def test_config_json_and_weights_record_the_conversion(saved, name):
     assert config["alibi"]["encoder_variant"] == variant
     assert config["alibi"]["base_model_type"] == case.model_type
     assert all(config[field].startswith(REMOVED_FIELD_MARKER) for field in case.removed_fields)
-    # the marker names the classes that load it (issue 13: not the original class)
+    # the marker names the classes that load it (not the original class)
     assert all(case.auto_class in config[field] for field in case.removed_fields), config[case.removed_fields[0]]
     with safe_open(path / "model.safetensors", "pt") as weights:
         keys = list(weights.keys())
@@ -144,7 +144,7 @@ def test_plain_transformers_refuses_every_checkpoint(saved):
         cwd=next(iter(saved.values()))[2],
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    # (transformers' trust prompt may precede a line: the folders carry remote code since issue 5)
+    # (transformers' trust prompt may precede a line: the folders carry remote code)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("REFUSED", "LOADED", "hf_alibi"))]
     assert lines[-1] == "hf_alibi imported: False"
     assert len(lines[:-1]) == 2 * len(saved)

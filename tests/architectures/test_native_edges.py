@@ -1,4 +1,4 @@
-"""The models trained with ALiBi (hf_alibi/native.py) at the edges transformers' own model tests reach: built on the
+"""The models trained with ALiBi (hf_alibi/native/) at the edges transformers' own model tests reach: built on the
 meta device, the caller's config, attention weights asked of the default backend, the refusal of a backend.
 
 The references are transformers' own classes, unpatched (the same weights), as in test_native_alibi.py; Falcon's

@@ -1,4 +1,4 @@
-"""torch.compile of a converted model: one graph, no break, no recompile, the eager numbers (issue 19.1).
+"""torch.compile of a converted model: one graph, no break, no recompile, the eager numbers.
 
 The unpatched GPT-2 and Llama trace to one graph with no break; their conversions must too, on the
 eager backend (the bias path and the shared mask) and on sdpa (the fold). ``fullgraph=True`` runs with

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) and torch.export on every preset and every declared conversion option (issue 35).
+"""torch.compile(fullgraph=True) and torch.export on every preset and every declared conversion option.
 
 The conversion options are read from their one declaration (``conversion_options()``): each row kind (learned
 absolute table on a decoder and on an encoder, rotary, T5's relative bias) is converted with every option that applies

@@ -1,4 +1,4 @@
-"""A converted model's config saves and loads in every state a user can set (issue 19.2).
+"""A converted model's config saves and loads in every state a user can set.
 
 transformers' own check of ``output_attentions`` compares ``_attn_implementation`` with ``"eager"``;
 an ALiBi config answers ``"alibi_eager"`` there, so ``save_pretrained`` refused an eager model with

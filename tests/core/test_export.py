@@ -1,7 +1,7 @@
 """torch.export of a converted model with a dynamic sequence length accepts every length.
 
 The path choice by query count (``FOLD_MIN_QUERIES``) must not become a guard of the exported program
-(issue 13: a program exported at 40 tokens rejected inputs shorter than 32); plain GPT-2 exports with a
+(a program exported at 40 tokens rejected inputs shorter than 32); plain GPT-2 exports with a
 minimum of 2, and so must its ALiBi conversion.
 """
 

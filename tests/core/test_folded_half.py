@@ -1,4 +1,4 @@
-"""The folded path in every float dtype (issue 12): bf16 / fp16 with no L x L tensor, against float64.
+"""The folded path in every float dtype: bf16 / fp16 with no L x L tensor, against float64.
 
 Two constructions of the fold (``hf_alibi.core.folded.folded_causal_attention``): "row" (CPU: the
 bias as a broadcast fp32 row inside the causal kernel) and "channel" (any SDPA kernel: the bias as

@@ -193,13 +193,13 @@ def left_padded() -> dict:
         ("llama", {"sinks": 2}, left_padded),  # the forward reaches the layers in their keyword arguments
         ("gpt2", {}, packed_row),
         ("stablelm", {"sinks": 2}, left_padded),  # its decoder layers drop them: the running forward
-        ("bloom", None, packed_row),  # trained with ALiBi (native.py): its blocks take fixed arguments
+        ("bloom", None, packed_row),  # trained with ALiBi (hf_alibi/native/): its blocks take fixed arguments
     ],
 )
 def test_gradient_checkpointing_recomputes_each_layer_inside_its_forward(name, options, inputs):
     # The backward pass recomputes a checkpointed layer after the forward has ended; it must see the same rows,
-    # documents and sinks (the gradients without checkpointing are the reference). Before issue 34.2 the recomputed
-    # layers lost them: llama with sinks 0.05 off, stablelm 0.045, bloom's packed row 0.002 (gpt2's packed row held).
+    # documents and sinks (the gradients without checkpointing are the reference). A recomputation that loses them
+    # is off by up to 0.05 (llama with sinks), 0.045 (stablelm), 0.002 (bloom's packed row).
     from arch_cases import CASES, NATIVE_CASES
 
     if options is None:

@@ -136,3 +136,38 @@ def test_the_spec_is_the_key_and_follows_every_change():
         BiasSpec("causal", (0.5,), sinks=1, rounding=KeyRounding("bfloat16"))
     with pytest.raises(ValueError, match="Unknown ALiBi bias kind 'diagonal'"):
         BiasSpec("diagonal", (0.5,))
+
+
+def test_native_models_take_their_backends_from_the_table(monkeypatch):
+    """A model trained with ALiBi runs on, offers and flags (transformers' ``_supports_*``) exactly the backends whose
+    row renders its bias: Falcon-RW rounds each key's bias, which no flash kernel's row renders, so neither
+    flash_attention_2 nor flash_attention_4 is offered to it, BLOOM and MPT get every running backend. Changing a row
+    changes what a native model offers: nothing else writes a kernel's ability down."""
+    from dataclasses import replace
+
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from hf_alibi import native
+    from patches.native import ROWS
+
+    rows = {row.model_type: row for row in ROWS}
+    running = [k.name for k in KERNELS if k.runs]
+    assert native.rendering_backends(rows["bloom"]) == tuple(running)
+    assert native.rendering_backends(rows["mpt"]) == tuple(running)
+    assert native.rendering_backends(rows["falcon"]) == ("eager", "sdpa", "flex_attention")
+    falcon = FalconForCausalLM(FalconConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, vocab_size=32,
+                                            alibi=True, parallel_attn=False, bias=True, new_decoder_architecture=False,
+                                            multi_query=False))  # fmt: skip
+    import hf_alibi
+
+    hf_alibi.patch_model(falcon)
+    said = native.what_runs(falcon)
+    assert "'flex_attention'" in said and "flash_attention" not in said
+    assert type(falcon)._supports_flash_attn is False and type(falcon)._supports_sdpa is True
+    with pytest.raises(ValueError, match="cannot round each key's bias"):
+        falcon.set_attn_implementation("flash_attention_4")
+    # a table in which FlashAttention-4 rounds per key: Falcon is offered it, with nothing else changed
+    rounding_fa4 = tuple(replace(k, rounding=True) if k.name == "flash_attention_4" else k for k in KERNELS)
+    monkeypatch.setattr(native.model, "KERNELS", rounding_fa4)
+    assert "flash_attention_4" in native.rendering_backends(rows["falcon"])
+    assert "'flash_attention_4'" in native.what_runs(falcon)

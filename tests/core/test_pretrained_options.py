@@ -421,7 +421,7 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
         for function in (hf_alibi.patch_model, hf_alibi.patch.settings_for):
             parameter = inspect.signature(function).parameters[option.name]
             assert (parameter.kind, parameter.default) == (inspect.Parameter.KEYWORD_ONLY, None), function
-        # recover() takes its settings as one object (issue 34.4), the options among its fields, and by keyword
+        # recover() takes its settings as one object, the options among its fields, and by keyword
         assert {f.name: f.default for f in dataclasses.fields(RecoverySettings)}[option.name] is None
         assert option.name in inspect.signature(RecoverySettings).parameters
         text = samples[option.metadata["parse"]]
@@ -460,7 +460,7 @@ def test_preset_lengths_are_the_original_length_not_the_table_size():
 
 
 def test_preset_paper_is_the_papers_method_everywhere():
-    """recover took preset='paper' and patch_model refused it: one set of names (issue 34.5)."""
+    """recover took preset='paper' and patch_model refused it: one set of names."""
     paper = hf_alibi.patch_model(tiny_gpt2(), preset="paper")
     plain = hf_alibi.patch_model(tiny_gpt2())
     assert hf_alibi.get_settings(paper.config) == hf_alibi.get_settings(plain.config)

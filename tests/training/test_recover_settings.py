@@ -1,4 +1,4 @@
-"""Recovery's settings are declared once (issue 34.4): :class:`RecoverySettings` makes the ``hf-alibi recover`` flags,
+"""Recovery's settings are declared once: :class:`RecoverySettings` makes the ``hf-alibi recover`` flags,
 ``scripts/run_clm.py``'s ``distill_*`` fields, the DistillationTrainer's arguments, the checks and the keywords
 :func:`recover` accepts. The expected names and values below are written out here, not read from the declaration."""
 
