@@ -14,19 +14,26 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from .checkpoints import check_output, check_source, is_hub_id, is_local
 from .cli_parser import flag
 from .core.settings import check_pretrained_options, conversion_options
 from .gguf import check_output_file
+from .planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported, the CLI's names of today)
+    HEAD_FIELDS,
+    HeadsMismatch,
+    applies,
+    check_heads,
+    config_fields,
+    config_heads,
+    encoder_variant_for,
+    resolve_options,
+)
 from .recover.settings import settings_from_flags
 from .serve_guard import ServeOptionError, take_cap
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# config.json's names of the head count (transformers' attribute_map aliases of num_attention_heads)
-HEAD_FIELDS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 # the patches modules of the converted rows (hf_alibi.patches; native.py's rows import the native code, torch)
 _ROW_MODULES = ("absolute", "relative", "rotary")
 
@@ -59,33 +66,33 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def check_conversion_values(args: argparse.Namespace) -> None:
-    """``convert``'s heads and options checked as :func:`hf_alibi.plan_conversion` checks them, from SRC's
-    config.json read as JSON (a folder here; a Hub id is the job's): the head count, each option's own check
-    (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it applies (the type's row)."""
+    """``convert``'s heads and options checked by the planner :func:`hf_alibi.plan_conversion` calls
+    (:mod:`hf_alibi.planning`), from SRC's config.json read as JSON (a folder here; a Hub id is the job's): the head
+    count, the encoder variant, the values as they would be stored (the explicit ones: a preset's apply only where
+    they fit) with each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it
+    applies (the type's row)."""
     config = _local_config(args.src)
-    heads = config_heads(config)
-    if args.heads is not None and heads is not None and args.heads != heads:
+    fields = config_fields(config)  # config.json's fields, as the declarations read a config's
+    try:
+        heads = check_heads(args.heads, fields.num_attention_heads)
+    except HeadsMismatch as error:
         raise CliError(
-            f"{flag('heads')} {args.heads} does not match SRC's {heads} attention heads (its config.json); ALiBi "
-            f"needs one slope per head. Pass {flag('heads')} {heads} or leave it out."
-        )
+            f"{flag('heads')} {error.given} does not match SRC's {error.found} attention heads (its config.json); "
+            f"ALiBi needs one slope per head. Pass {flag('heads')} {error.found} or leave it out."
+        ) from None
     row = builtin_row(config.get("model_type"))
-    if args.encoder_variant is not None and row is not None and not row.bidirectional:
-        raise CliError(  # plan_conversion's words (the job said them before this check came first)
-            f"encoder_variant={args.encoder_variant!r} applies to bidirectional attention only; {row.model_type} is "
-            "decoder-only, its self-attention is causal. Omit encoder_variant."
-        )
-    # the explicit values, the others at the paper's (a preset's apply only where they fit: always valid)
-    values = {
-        f.name: f.default if getattr(args, f.name) is None else getattr(args, f.name) for f in conversion_options()
-    }
-    if values["table_max_wavelength"] == 0:
-        values["table_max_wavelength"] = None  # 0: the table goes (as resolve_options reads it)
+    explicit = {name: getattr(args, name) for name in OPTIONS}
+    try:
+        if row is not None:
+            encoder_variant_for(row, args.encoder_variant)
+        values = resolve_options(fields, row, None, **explicit)
+    except ValueError as error:
+        raise CliError(str(error)) from None
     if row is not None:  # where the declaration says an option applies by the model's config (sinks: one mask)
-        fields = SimpleNamespace(**config)  # config.json's fields, as the declarations read a config's
         for option in conversion_options():
-            applies, value = option.metadata["applies"], values[option.name]
-            if option.metadata["refusal"] is None and applies and value != option.default and not applies(row, fields):
+            value = explicit[option.name]
+            given = value is not None and value != option.default
+            if option.metadata["refusal"] is None and given and not applies(option, row, fields):
                 pair = (
                     " (an encoder-decoder: its two stacks are padded apart)"
                     if config.get("is_encoder_decoder")
@@ -95,17 +102,11 @@ def check_conversion_values(args: argparse.Namespace) -> None:
                     f"{flag(option.name)} {value} does not apply to SRC's {row.model_type} model{pair}; leave it out."
                 )
     slopes = values["slopes"]
-    count = args.heads or heads or (len(slopes) if slopes else 1)  # unknown here: the job counts them
+    count = heads or (len(slopes) if slopes else 1)  # unknown here: the job counts them
     try:
         check_pretrained_options(count, architecture=None if row is None else row.to_dict(), **values)
     except ValueError as error:
         raise CliError(f"{error} Nothing converted.") from None
-
-
-def config_heads(config: dict[str, Any]) -> int | None:
-    """The attention head count a config.json (as a dict) gives, under any of transformers' names for it, else
-    ``None``."""
-    return next((config[name] for name in HEAD_FIELDS if isinstance(config.get(name), int)), None)
 
 
 def _local_config(src: str) -> dict[str, Any]:
