@@ -1,4 +1,4 @@
-"""What the command line's front (hf_alibi/cli_checks.py, run before torch loads) reads of a checkpoint without
+"""What the command line's front (hf_alibi/cli/checks.py, run before torch loads) reads of a checkpoint without
 transformers agrees with what the library reads with it: the head count of config.json, the architecture rows, and
 which option values are refused (``plan_conversion``'s answer, the independent reference)."""
 
@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 import hf_alibi
-from hf_alibi import cli_checks
-from hf_alibi.cli_checks import CliError, builtin_row, check_conversion_values, config_heads
+from hf_alibi.cli import checks as cli_checks
+from hf_alibi.cli.checks import CliError, builtin_row, check_conversion_values, config_heads
 
 TYPES = sorted(hf_alibi.supported_model_types())
 
