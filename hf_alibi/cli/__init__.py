@@ -36,12 +36,16 @@ from ..checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
     check_source,
 )
-from .checks import CliError, check_inputs, serve_options, serving_engine
-from .parser import add_option_flags, build_parser, errors_exit, fail  # noqa: F401  (add_option_flags: re-exported)
+from .checks import check_inputs, serve_options, serving_engine
+from .parser import CliError, add_option_flags, build_parser, errors_exit, fail  # noqa: F401  (add_option_flags)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and check what needs no model (here: no torch, no transformers), then run the job."""
+    """Parse ``argv`` and check what needs no model (here: no torch, no transformers), then run the job.
+
+    >>> main(["info", "gpt2-alibi"])  # doctest: +SKIP
+    gpt2-alibi: ALiBi checkpoint of gpt2 (GPT2LMHeadModel)
+    """
     parser, parsed = answer(argv)
     return run_job(parser, parsed)
 

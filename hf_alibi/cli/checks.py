@@ -32,7 +32,7 @@ from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported,
 )
 from ..recover.settings import settings_from_flags
 from ..serve_requests import DEFAULT_CAP
-from .parser import SERVING_ENGINES, CliError, flag, take_option  # noqa: F401  (CliError: re-exported)
+from .parser import SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 # the patches modules of the converted rows (hf_alibi.patches; native.py's rows import the native code, torch)
