@@ -7,7 +7,7 @@ only); it never patches anything. Converting is explicit: :func:`patch_model`.
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m hf_alibi` imports this first: its help and errors answer before torch
-    from hf_alibi_cli import answer_module_run
+    from hf_alibi_boot import answer_module_run
 
     answer_module_run(__name__)
 

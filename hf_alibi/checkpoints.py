@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from .core.names import is_alibi
 
-# This module is imported by the command line's parser (cli.py), which answers --help and argument errors before
+# This module is imported by the command line's parser (hf_alibi/cli/), which answers --help and argument errors before
 # torch and transformers are imported: what needs them (the registry, the config classes) is imported where used.
 
 TOKENIZER_FILES = (

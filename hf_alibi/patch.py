@@ -19,29 +19,22 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from . import planning
 from .core.architectures import Architecture
 from .core.config import get_settings
 from .core.conversion import check_fits, check_sinks_fit, convert
 from .core.names import is_alibi
-from .core.settings import (
-    FITTED,
-    AlibiSettings,
-    FittedSlopes,
-    TimesOriginalLength,
-    conversion_options,
-    preset_name,
-    presets,
-)
-from .core.slopes import ENCODER_VARIANTS, SYMMETRIC
+from .core.settings import AlibiSettings, conversion_options, preset_name
 from .core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
 from .native import NativeArchitecture, patch_native
-from .positions import original_length
+from .planning import applies as _applies
+from .planning import check_heads, encoder_variant_for, resolve_options  # noqa: F401  (resolve_options: its old home)
 from .registry import alibi_classes, get_architecture, get_native_architecture
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 # Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets). "pretrained":
-# for a pretrained checkpoint (no training after the conversion, or before recovery).
-PRESETS: dict[str, dict[str, Any]] = presets()
+# for a pretrained checkpoint (no training after the conversion, or before recovery). The planner's (no torch).
+PRESETS: dict[str, dict[str, Any]] = planning.PRESETS
 
 
 def takes_options(function: Callable) -> Callable:
@@ -76,47 +69,6 @@ def takes_options(function: Callable) -> Callable:
 
     wrapper.__signature__ = signature.replace(parameters=[*params[:-1], *declared])  # no other keyword
     return wrapper
-
-
-def _applies(option: dataclasses.Field, row, config) -> bool:
-    """Whether a conversion option applies to the row (its declaration's ``applies``; None: everywhere)."""
-    applies = option.metadata["applies"]
-    return applies is None or applies(row, config)
-
-
-def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
-    """The option values ``patch_model`` stores: the preset's, overridden by the explicit ones (None: not given).
-
-    ``config`` is the ORIGINAL config (its ``max_position_embeddings`` is cleared by the conversion). A preset's
-    value applies where its option's declaration says (``applies``: the rotary bound on rotary rows, the mean on
-    absolute rows, sinks on models other than encoder-decoders ...; else the paper's value); an
-    :class:`TimesOriginalLength` is that multiple of the original length. Explicit ``slopes`` drop a preset's
-    ``slope_scale``; an explicit ``table_max_wavelength=0`` removes the table.
-
-    >>> resolve_options(llama_config, get_architecture("llama"), "pretrained")  # doctest: +SKIP
-    {'sinks': 1, 'slope_scale': 0.01, 'slopes': None, 'rotary_max_wavelength': 65536.0, 'position_mean': 0, ...}
-    """
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r}; known: {sorted(PRESETS)} (or None: the paper's method).")
-    length = original_length(config)  # the one answer: RoBERTa's table has 514 rows for 512 positions
-    values = {}
-    for f in conversion_options():
-        value = PRESETS.get(preset, {}).get(f.name, f.default)
-        if not _applies(f, row, config):
-            value = f.default
-        if isinstance(value, TimesOriginalLength):
-            value = value.times * length if length else None
-        values[f.name] = value
-    values.update({name: value for name, value in explicit.items() if value is not None})
-    if type(values["table_max_wavelength"]) in (int, float) and values["table_max_wavelength"] == 0:  # explicit 0:
-        values["table_max_wavelength"] = None  # the table goes entirely, whatever the preset says
-    if explicit.get("slopes") is not None and explicit.get("slope_scale") is None:
-        values["slope_scale"] = 1.0
-    if values["slopes"] is not None:
-        if isinstance(values["slopes"], FittedSlopes):  # measured by fit_slopes: recorded as such
-            values["slopes_source"] = FITTED
-        values["slopes"] = list(values["slopes"])
-    return values
 
 
 @dataclass(frozen=True)
@@ -200,24 +152,9 @@ def plan_conversion(
     1
     """
     row = get_architecture(config.model_type)
-    config_heads = config.num_attention_heads
     given = {"heads": heads, "encoder_variant": encoder_variant, "preset": preset, **options}
-    if heads is None:
-        heads = config_heads
-    if heads != config_heads:
-        raise ValueError(
-            f"heads={heads} does not match the model's {config_heads} attention heads "
-            f"(config.num_attention_heads); ALiBi needs one slope per head. Pass heads={config_heads} or omit it."
-        )
-    if row.bidirectional:
-        encoder_variant = SYMMETRIC if encoder_variant is None else encoder_variant
-        if encoder_variant not in ENCODER_VARIANTS:
-            raise ValueError(f"encoder_variant must be one of {ENCODER_VARIANTS}, got {encoder_variant!r}.")
-    elif encoder_variant is not None:
-        raise ValueError(
-            f"encoder_variant={encoder_variant!r} applies to bidirectional attention only; "
-            f"{config.model_type} is decoder-only, its self-attention is causal. Omit encoder_variant."
-        )
+    heads = check_heads(heads, config.num_attention_heads)  # the planner's rules (hf_alibi.planning), no torch
+    encoder_variant = encoder_variant_for(row, encoder_variant)
     settings = AlibiSettings(  # checks the options (check_pretrained_options) as it is made
         base_model_type=config.model_type,
         heads=heads,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 from .checkpoints import CheckpointError, is_alibi, read_config
+from .serve_requests import DEFAULT_CAP
 
 EXTRAS_INSTALL = "pip install 'hf_alibi[serve]' (or transformers' own: pip install 'transformers[serving]')"
 
@@ -121,14 +122,13 @@ def check_server_version() -> None:
         )
 
 
-def serve(model: str, arguments: list[str]) -> None:
+def serve(model: str, arguments: list[str], cap: int = DEFAULT_CAP) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
-    checked and bounded first, and the process ended if the continuous-batching worker dies
-    (:mod:`hf_alibi.serve_guard`)."""
+    checked and bounded first (at most ``cap`` new tokens each: ``hf-alibi serve --max-new-tokens-cap``, which the
+    command line reads), and the process ended if the continuous-batching worker dies (:mod:`hf_alibi.serve_guard`)."""
     from .core.compat import serving_available, transformers_cli_app, wrap_server_builder
-    from .serve_guard import guarded_build_server, say, start_lines, take_cap
+    from .serve_guard import guarded_build_server, say, start_lines
 
-    cap, arguments = take_cap(arguments)
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
         raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")
     check_server_version()

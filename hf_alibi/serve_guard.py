@@ -3,8 +3,9 @@
 - :class:`RequestGuard`, an ASGI middleware on the app transformers builds: every POST to a generation endpoint is
   checked (:func:`hf_alibi.serve_requests.check_body`) before a handler reads it; a bad one answers 400 in OpenAI's
   error shape, and transformers' own refusals (``{"detail": ...}``) are answered in that shape too.
-- the cap on new tokens per request (``--max-new-tokens-cap``, :data:`~hf_alibi.serve_requests.DEFAULT_CAP` by
-  default), written into each request: one that names no maximum gets the cap, one that asks more is refused.
+- the cap on new tokens per request (``--max-new-tokens-cap``, read by the command line:
+  :func:`hf_alibi.cli.checks.serve_options`; :data:`~hf_alibi.serve_requests.DEFAULT_CAP` by default), written into
+  each request: one that names no maximum gets the cap, one that asks more is refused.
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
   every later request 503 until the process ends), the process says so in one line and exits with
   :data:`WORKER_DIED_STATUS`, for a supervisor (systemd, Kubernetes, a shell loop) to start it again.
@@ -20,36 +21,11 @@ import sys
 import threading
 import time
 
-from .serve_requests import CAP_OPTION, CHAT, COMPLETIONS, DEFAULT_CAP, GUARDED, BadRequest, check_body
+from .serve_requests import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body
 
 WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
 _FLUSH_SECONDS = 1.0  # the failed requests' 503 answers go out before the process ends
-
-
-class ServeOptionError(ValueError):
-    """An ``hf-alibi serve`` option of its own with a bad value: one line."""
-
-
-def take_cap(arguments: list[str]) -> tuple[int, list[str]]:
-    """``--max-new-tokens-cap N`` (or ``=N``) taken out of ``arguments`` (the rest go to transformers serve).
-
-    >>> take_cap(["--port", "8000", "--max-new-tokens-cap", "256"])
-    (256, ['--port', '8000'])
-    """
-    rest, value = [], None
-    words = iter(arguments)
-    for word in words:
-        if word == CAP_OPTION:
-            value = next(words, None)
-        elif word.startswith(CAP_OPTION + "="):
-            value = word.split("=", 1)[1]
-        else:
-            rest.append(word)
-            continue
-        if value is None or not value.isdigit() or int(value) < 1:
-            raise ServeOptionError(f"{CAP_OPTION} takes a positive number of new tokens per request (got {value!r})")
-    return (DEFAULT_CAP if value is None else int(value)), rest
 
 
 def say(line: str) -> None:

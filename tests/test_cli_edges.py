@@ -166,7 +166,7 @@ def train_file(tmp_path):
 @pytest.fixture
 def no_training(monkeypatch):
     """Fails the test if recover gets as far as loading the teacher or distilling."""
-    import hf_alibi.jobs as job
+    import hf_alibi.cli.jobs as job
     import hf_alibi.recover.api as api
 
     def refuse(*args, **kwargs):

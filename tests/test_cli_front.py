@@ -1,17 +1,28 @@
-"""What the command line's front (hf_alibi/cli_checks.py, run before torch loads) reads of a checkpoint without
+"""What the command line's front (hf_alibi/cli/checks.py, run before torch loads) reads of a checkpoint without
 transformers agrees with what the library reads with it: the head count of config.json, the architecture rows, and
-which option values are refused (``plan_conversion``'s answer, the independent reference)."""
+which option values are refused (``plan_conversion``'s answer, the independent reference); serve's own options, read
+by the one reader (hf_alibi/cli/parser.py: take_option) from their declarations."""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import transformers
 
 import hf_alibi
-from hf_alibi import cli_checks
-from hf_alibi.cli_checks import CliError, builtin_row, check_conversion_values, config_heads
+from hf_alibi.cli import checks as cli_checks
+from hf_alibi.cli.checks import (
+    CliError,
+    builtin_row,
+    check_conversion_values,
+    config_heads,
+    serve_options,
+    serving_engine,
+)
+from hf_alibi.cli.parser import SERVE_FLAGS, build_parser, take_option
+from hf_alibi.serve_requests import DEFAULT_CAP
 
 TYPES = sorted(hf_alibi.supported_model_types())
 
@@ -71,3 +82,35 @@ def test_the_front_refuses_what_plan_conversion_refuses_and_nothing_else(model_t
         front = True
         assert "\n" not in str(error)
     assert front == refused, (model_type, given)
+
+
+@pytest.mark.parametrize(
+    "argv, values, rest",
+    [
+        (["m", "--port", "8000"], [], ["m", "--port", "8000"]),
+        (["m", "--engine", "vllm", "--port", "8000"], ["vllm"], ["m", "--port", "8000"]),
+        (["m", "--engine=vllm", "--engine", "transformers"], ["vllm", "transformers"], ["m"]),
+        (["m", "--port", "8000", "--engine"], [None], ["m", "--port", "8000"]),  # no value: None, said by the check
+        (["m", "--engine", "--port", "8000"], ["--port"], ["m", "8000"]),  # the next word is the value, as argparse
+    ],
+)
+def test_the_one_reader_of_a_passed_on_option(argv, values, rest):
+    assert take_option(argv, "engine") == (values, rest)
+
+
+def test_serve_options_are_read_from_their_declarations():
+    """serve's own flags are declared once (SERVE_FLAGS: its help and usage), read by take_option in each spelling
+    flag_spellings gives, and taken out of what goes to the engine's server; the port stays."""
+    assert {f.name for f in SERVE_FLAGS} == {"engine", "max_new_tokens_cap"}
+    assert serving_engine(["m", "--port", "8000"]) == ("transformers", ["m", "--port", "8000"])
+    assert serving_engine(["m", "--engine=vllm"]) == ("vllm", ["m"])
+    assert serve_options(["--port", "8000"]) == (DEFAULT_CAP, ["--port", "8000"])
+    assert serve_options(["--max_new_tokens_cap=8", "--port", "8000"]) == (8, ["--port", "8000"])
+    for argv, message in [
+        (["--max-new-tokens-cap"], "takes a positive number of new tokens per request (got None)"),
+        (["--port", "70000"], "argument --port: invalid port '70000'"),
+    ]:
+        with pytest.raises(CliError, match=re.escape(message)):
+            serve_options(argv)
+    usage = build_parser().commands["serve"].format_usage()
+    assert usage.startswith("usage: hf-alibi serve MODEL [--engine transformers|vllm] [--max-new-tokens-cap N")

@@ -105,7 +105,10 @@ def test_no_import_cycle_counting_imports_inside_functions():
     for name in sorted(graph):
         visit(name, [])
     assert not any(m.startswith("hf_alibi.hub") for m in graph["hf_alibi.registry"])  # the mixin is given
-    assert "hf_alibi.cli" not in {m for deps in graph.values() for m in deps} - graph["hf_alibi.__main__"]
+    # nothing outside the command line imports it (``python -m hf_alibi`` runs it; hf_alibi.jobs is its old name)
+    cli = {m for m in MODULES if m == "hf_alibi.cli" or m.startswith("hf_alibi.cli.")}
+    outside = {name: graph[name] & cli for name in MODULES if name not in cli | {"hf_alibi.__main__", "hf_alibi.jobs"}}
+    assert not {name: found for name, found in outside.items() if found}
 
 
 def test_the_core_imports_only_itself():
@@ -117,7 +120,7 @@ def test_the_core_imports_only_itself():
 
 
 @pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
-@pytest.mark.parametrize("name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.jobs"])
+@pytest.mark.parametrize("name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.cli.jobs"])
 def test_a_module_imports_first_in_a_fresh_interpreter(name):
     """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
     code = "import importlib, sys; importlib.import_module(sys.argv[1])"
@@ -159,3 +162,19 @@ def test_the_three_alibi_predicates_are_one_and_the_old_names_warn(old):
     assert not any(map(hf_alibi.is_alibi, (plain, plain.config, plain.config.to_dict(), {"model_type": "alibi_x"})))
     with pytest.warns(FutureWarning, match="hf_alibi.is_alibi"):
         assert getattr(hf_alibi, old) is hf_alibi.is_alibi
+
+
+def test_the_old_name_of_the_jobs_module_warns_and_is_the_same_module():
+    """hf_alibi.jobs moved into the command line's package (hf_alibi/cli/jobs.py): its old name is an alias for one
+    release (CONTRIBUTING: deprecated names)."""
+    code = (
+        "import warnings, hf_alibi.cli.jobs as new\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import hf_alibi.jobs as old\n"
+        "    from hf_alibi.jobs import recover_checkpoint\n"
+        "assert old is new and recover_checkpoint is new.recover_checkpoint\n"
+        "assert [w.category for w in caught] == [FutureWarning], caught\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]

@@ -32,7 +32,7 @@ Modules (each one job; everything public is re-exported here):
 - ``settings``: :class:`RecoverySettings`, every setting of :func:`recover` declared once (its flag, its check);
   ``lengths``: the bounded lengths; neither imports torch or transformers, so ``hf-alibi recover``'s parser reads them;
 - ``api``: :func:`recover` and :class:`RecoveryResult`; ``summary``: the model card's recovery section;
-- what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.jobs.recover_checkpoint`.
+- what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.cli.jobs.recover_checkpoint`.
 
 Example:
     >>> from hf_alibi.recover import RecoverySettings, recover

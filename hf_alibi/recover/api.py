@@ -86,7 +86,7 @@ def recover(
         eval_texts: held-out text for the agreement figures (default: the end of ``texts``).
         log: where the agreement lines go (None: nowhere).
         plan: the conversion already planned from ``settings`` and the teacher's config
-            (:func:`hf_alibi.patch.plan_conversion`: :func:`hf_alibi.jobs.recover_checkpoint` plans it before the
+            (:func:`hf_alibi.patch.plan_conversion`: :func:`hf_alibi.cli.jobs.recover_checkpoint` plans it before the
             teacher loads); default: planned here.
         **overrides: settings by name, over ``settings`` (``recover(model, texts, tokenizer, max_steps=300)``);
             an unknown name is a ``TypeError`` that lists the known ones.

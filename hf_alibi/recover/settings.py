@@ -46,7 +46,7 @@ def setting(
     distill: bool = False,
 ):
     """A recovery setting, declared once as a field of :class:`RecoverySettings`: a keyword of
-    :func:`~hf_alibi.recover.recover` and :func:`~hf_alibi.jobs.recover_checkpoint`; with ``flag`` (the
+    :func:`~hf_alibi.recover.recover` and :func:`~hf_alibi.cli.jobs.recover_checkpoint`; with ``flag`` (the
     ``argparse.add_argument`` keywords: ``type``, ``help``, ``choices``, ...) the ``hf-alibi recover`` flags
     ``--name-with-dashes`` and ``--name_with_underscores``, default ``default``; ``check(name, value)`` runs when
     the settings are made; ``distill``: a keyword of :class:`~hf_alibi.recover.DistillationTrainer`, so also

@@ -53,7 +53,9 @@ def test_setting_a_foreign_function_is_refused_and_changes_nothing(how):
     assert not CALLS
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("gpt2", "llama", "bert", "t5")], ids=lambda case: case.name)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in ("gpt2", "llama", "bert", "t5")], ids=lambda case: case.name
+)
 def test_a_foreign_name_written_past_the_setter_never_runs(case):
     model = hf_alibi.patch_model(case.make())
     for module in model.modules():  # an engine writing the stored name directly, on every sub-config

@@ -282,7 +282,7 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recovered(source, tmp_path_factory):
-    from hf_alibi.jobs import recover_checkpoint
+    from hf_alibi.cli.jobs import recover_checkpoint
 
     src, text = source
     out = tmp_path_factory.mktemp("out") / "recovered"

@@ -179,8 +179,8 @@ def test_the_paper_preset_has_one_spelling():
 def test_fitting_given_slopes_is_refused_in_one_line_before_any_work(gpt2_src, tmp_path, monkeypatch):
     """convert's --fit-slopes and recover's fit_slopes refuse explicit slopes with the same line; recover refuses it
     (and a fit without the preset) with its other settings, before the teacher or the tokenizer loads."""
-    from hf_alibi import jobs
     from hf_alibi.checkpoints import CheckpointError
+    from hf_alibi.cli import jobs
 
     with pytest.raises(ValueError) as refused:
         check_settings(32, fit_slopes=True, slope_scale=0.1)
@@ -206,7 +206,7 @@ def test_fitting_given_slopes_is_refused_in_one_line_before_any_work(gpt2_src, t
 
 def test_recover_checkpoint_plans_the_conversion_once(gpt2_src, tmp_path, monkeypatch):
     """The plan made from SRC's config.json before anything loads is the one the student is converted with."""
-    from hf_alibi import jobs
+    from hf_alibi.cli import jobs
     from hf_alibi.recover import api
 
     planned = []

@@ -1,13 +1,18 @@
-"""The ``hf-alibi`` command's entry point: hf_alibi/cli.py, run without hf_alibi/__init__.py first.
+"""The ``hf-alibi`` command's boot: runs the command line (hf_alibi/cli/) before hf_alibi/__init__.py, without torch.
 
 ``import hf_alibi`` registers its model types and attention functions with transformers, which imports torch and
 transformers: seconds before anything is printed. Parsing a command line needs neither. So this loads the folder of
-the installed ``hf_alibi`` package under a private name whose ``__init__`` is never run, and calls ``cli.main`` from
-there: ``cli.py`` imports only the standard library and hf_alibi's modules that import neither at module level, answers
-``--help``, ``--version`` and every error that needs no model at once, and imports ``hf_alibi`` itself when a
-job runs (``hf_alibi.cli.run``). ``python -m hf_alibi`` is the same command: Python imports the package before its
-``__main__``, so ``hf_alibi/__init__.py`` first hands the command line to :func:`answer_module_run`, which answers
-the same way before torch loads.
+the installed ``hf_alibi`` package under a private name (``_hf_alibi_front``) whose ``__init__`` is never run, and
+calls ``hf_alibi/cli/``'s ``answer`` from there: that package imports only the standard library and hf_alibi's
+modules that import neither at module level, answers ``--help``, ``--version`` and every error that needs no model at
+once, and imports ``hf_alibi`` itself when a job runs (``hf_alibi.cli.run_job``: the real ``hf_alibi.cli.jobs``).
+It is the ``hf-alibi`` script's entry point (pyproject.toml's ``[project.scripts]``). ``python -m hf_alibi`` is the
+same command: Python imports the package before its ``__main__``, so ``hf_alibi/__init__.py`` first hands the
+command line to :func:`answer_module_run`, which answers the same way before torch loads.
+
+It lives outside hf_alibi because any module inside runs hf_alibi/__init__.py first, and importing hf_alibi must
+keep registering what it registers (tests/test_cli_startup.py checks that neither torch, transformers nor hf_alibi
+is imported for these answers).
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ _ANSWERED: list[tuple] = []  # `python -m hf_alibi`: the command line answer_mod
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hf-alibi``: see :mod:`hf_alibi.cli`."""
+    """``hf-alibi``: see :mod:`hf_alibi.cli`.
+
+    >>> main(["--version"])  # doctest: +SKIP
+    hf-alibi 0.x
+    """
     cli = _front_cli()
     parser, parsed = _ANSWERED.pop() if _ANSWERED and argv is None else cli.answer(argv)
     return cli.run_job(parser, parsed)

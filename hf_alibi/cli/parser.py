@@ -1,32 +1,64 @@
-"""The ``hf-alibi`` command line's parser: every command's flags, each declared once.
+"""The ``hf-alibi`` command line's parser: every command's flags, each declared once; the one reader of an option
+in a command line that is passed on (:func:`take_option`: ``serve``'s); the one error exit (:func:`fail`).
 
 ``recover``'s flags come from :class:`~hf_alibi.recover.settings.RecoverySettings`, the conversion options' from
 :class:`~hf_alibi.core.settings.AlibiSettings`; ``convert``'s own flags are declared here (:data:`CONVERT_FLAGS`),
-and every flag is spelled by :func:`~hf_alibi.core.settings.flag_spellings` from its name.
+``serve``'s too (:data:`SERVE_FLAGS`), and every flag is spelled by :func:`~hf_alibi.core.settings.flag_spellings`
+from its name.
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers: ``hf-alibi``
-builds this parser before the library is imported (hf_alibi_cli, tests/test_cli_startup.py).
+builds this parser before the library is imported (hf_alibi_boot, tests/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
-from .core.names import ENCODER_VARIANTS
-from .core.settings import conversion_options, flag_spellings, presets
-from .core.version import __version__
-from .gguf import OUTTYPES
-from .recover.settings import add_setting_flags
+from ..checkpoints import CheckpointError
+from ..core.names import ENCODER_VARIANTS
+from ..core.settings import conversion_options, flag_spellings, presets
+from ..core.version import __version__
+from ..gguf import OUTTYPES, GGUFExportError
+from ..recover.settings import add_setting_flags
+from ..serve_requests import DEFAULT_CAP
+
+
+class CliError(Exception):
+    """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
+
+
+def fail(message: object, status: int = 2) -> NoReturn:
+    """The command's one error exit: ``hf-alibi: error: MESSAGE`` on stderr, one line, and exit ``status`` (2: a bad
+    input; 1: the Hub could not be reached)."""
+    sys.stderr.write(f"hf-alibi: error: {message}\n")
+    sys.exit(status)
+
+
+@contextmanager
+def errors_exit(*more: type[BaseException]) -> Iterator[None]:
+    """A bad input raised inside (:class:`CliError`, the library's ``CheckpointError``, ``GGUFExportError`` and the
+    classes in ``more``) ends the command through :func:`fail`, a ``ConnectionError`` with status 1."""
+    try:
+        yield
+    except (CliError, CheckpointError, GGUFExportError, *more) as error:
+        fail(error)
+    except ConnectionError as error:
+        fail(error, 1)
 
 
 class Parser(argparse.ArgumentParser):
     """Bad arguments are one line (``hf-alibi: error: ...``, naming the command's help) and exit status 2,
     like the other errors (argparse would print its usage block first)."""
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")
+    commands: dict[str, argparse.ArgumentParser]  # hf-alibi's: each command's parser (build_parser)
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see {self.prog} --help)")
 
 
 def flag(name: str) -> str:
@@ -89,6 +121,51 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
 )
 
 
+SERVING_ENGINES = ("transformers", "vllm")
+# serve's own flags, taken out of its command line (take_option); the rest is the engine's server's, passed on
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "engine",
+        "transformers: transformers serve (its options follow MODEL); vllm: vLLM's OpenAI server, `vllm serve`'s "
+        "options (docs/engines.md)",
+        {"choices": SERVING_ENGINES, "default": "transformers"},
+    ),
+    Flag(
+        "max_new_tokens_cap",
+        "the most new tokens a request may ask for (one that names no maximum gets it)",
+        {"type": positive_int, "default": DEFAULT_CAP, "metavar": "N"},
+    ),
+)
+SERVE_USAGE = (
+    f"%(prog)s MODEL [--engine transformers|vllm] [--max-new-tokens-cap N (default {DEFAULT_CAP})] [the engine's "
+    "server options]"
+)
+SERVE_DESCRIPTION = (
+    "MODEL: a converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention. The options "
+    "follow MODEL: hf-alibi's own (below), then the engine's server's, passed on unchanged (transformers serve's: the "
+    "port, continuous batching, ...; with --engine vllm, `vllm serve`'s: docs/engines.md)."
+)
+
+
+def take_option(argv: list[str], name: str) -> tuple[list[str | None], list[str]]:
+    """The values of the flag ``name`` in a command line that is passed on (``--name VALUE`` or ``--name=VALUE``, in
+    every spelling :func:`~hf_alibi.core.settings.flag_spellings` gives; None: the flag last, without its value),
+    and the command line without them. The one reader of such a flag (``serve``'s: the engine, the cap, the port).
+
+    >>> take_option(["m", "--port", "8000", "--engine=vllm"], "engine")
+    (['vllm'], ['m', '--port', '8000'])
+    """
+    spellings, values, rest = flag_spellings(name), [], []
+    words = iter(argv)
+    for word in words:
+        spelled, equals, value = word.partition("=")
+        if spelled not in spellings:
+            rest.append(word)
+        else:
+            values.append(value if equals else next(words, None))
+    return values, rest
+
+
 def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...]) -> None:
     for declared in flags:
         keywords = {"default": None, **declared.keywords}
@@ -100,7 +177,7 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, _option_flags())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     parser = Parser(prog="hf-alibi", description="ALiBi checkpoints: convert, inspect, share.")
     parser.add_argument("--version", action="version", version=f"hf-alibi {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -135,13 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(gguf, (Flag("overwrite", "replace OUT if it exists", _SWITCH),))
 
-    commands.add_parser(
+    serve = commands.add_parser(
         "serve",
         help="serve a converted checkpoint (or a BLOOM, MPT, Falcon-RW) with transformers' OpenAI-compatible server",
-        description="hf-alibi serve MODEL [transformers serve options]: MODEL first, then `transformers serve`'s own "
-        "options (the port, continuous batching, ...), passed on unchanged.",
+        usage=SERVE_USAGE,
+        description=SERVE_DESCRIPTION,
     )
+    serve.add_argument("model", metavar="MODEL", help="a converted folder or Hub id (or BLOOM, MPT, Falcon-RW)")
+    add_flags(serve, SERVE_FLAGS)
     info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
     info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
     add_flags(info, (Flag("json", "print the report as JSON", _SWITCH),))
+    parser.commands = commands.choices  # each command's parser by name (serve's help: hf_alibi.cli)
     return parser

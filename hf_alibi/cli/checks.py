@@ -1,5 +1,6 @@
 """The ``hf-alibi`` command line's checks that need no model: paths, text files, upload flags, the conversion
-options' values (against SRC's config.json and its architecture row), ``serve``'s port.
+options' values (against SRC's config.json and its architecture row: :mod:`hf_alibi.planning`'s rules), ``serve``'s
+engine, cap and port.
 
 They run before the library is imported, so that every error a user can cause answers at once; the jobs check the
 same again (they are library functions too). Imports only the standard library and hf_alibi's modules that import
@@ -14,25 +15,28 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from .checkpoints import check_output, check_source, is_hub_id, is_local
-from .cli_parser import flag
-from .core.settings import check_pretrained_options, conversion_options
-from .gguf import check_output_file
-from .recover.settings import settings_from_flags
-from .serve_guard import ServeOptionError, take_cap
+from ..checkpoints import check_output, check_source, is_hub_id, is_local
+from ..core.settings import check_pretrained_options, conversion_options
+from ..gguf import check_output_file
+from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported, the CLI's names of today)
+    HEAD_FIELDS,
+    HeadsMismatch,
+    applies,
+    check_heads,
+    config_fields,
+    config_heads,
+    encoder_variant_for,
+    resolve_options,
+)
+from ..recover.settings import settings_from_flags
+from ..serve_requests import DEFAULT_CAP
+from .parser import SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# config.json's names of the head count (transformers' attribute_map aliases of num_attention_heads)
-HEAD_FIELDS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-# the patches modules of the converted rows (hf_alibi.patches; native.py's rows import the native code, torch)
+# the patches modules of the converted rows (hf_alibi.patches; patches/native.py imports hf_alibi.native, and so torch)
 _ROW_MODULES = ("absolute", "relative", "rotary")
-
-
-class CliError(Exception):
-    """A bad input: printed as ``hf-alibi: error: ...`` with exit status 2."""
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -59,33 +63,33 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def check_conversion_values(args: argparse.Namespace) -> None:
-    """``convert``'s heads and options checked as :func:`hf_alibi.plan_conversion` checks them, from SRC's
-    config.json read as JSON (a folder here; a Hub id is the job's): the head count, each option's own check
-    (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it applies (the type's row)."""
+    """``convert``'s heads and options checked by the planner :func:`hf_alibi.plan_conversion` calls
+    (:mod:`hf_alibi.planning`), from SRC's config.json read as JSON (a folder here; a Hub id is the job's): the head
+    count, the encoder variant, the values as they would be stored (the explicit ones: a preset's apply only where
+    they fit) with each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it
+    applies (the type's row)."""
     config = _local_config(args.src)
-    heads = config_heads(config)
-    if args.heads is not None and heads is not None and args.heads != heads:
+    fields = config_fields(config)  # config.json's fields, as the declarations read a config's
+    try:
+        heads = check_heads(args.heads, fields.num_attention_heads)
+    except HeadsMismatch as error:
         raise CliError(
-            f"{flag('heads')} {args.heads} does not match SRC's {heads} attention heads (its config.json); ALiBi "
-            f"needs one slope per head. Pass {flag('heads')} {heads} or leave it out."
-        )
+            f"{flag('heads')} {error.given} does not match SRC's {error.found} attention heads (its config.json); "
+            f"ALiBi needs one slope per head. Pass {flag('heads')} {error.found} or leave it out."
+        ) from None
     row = builtin_row(config.get("model_type"))
-    if args.encoder_variant is not None and row is not None and not row.bidirectional:
-        raise CliError(  # plan_conversion's words (the job said them before this check came first)
-            f"encoder_variant={args.encoder_variant!r} applies to bidirectional attention only; {row.model_type} is "
-            "decoder-only, its self-attention is causal. Omit encoder_variant."
-        )
-    # the explicit values, the others at the paper's (a preset's apply only where they fit: always valid)
-    values = {
-        f.name: f.default if getattr(args, f.name) is None else getattr(args, f.name) for f in conversion_options()
-    }
-    if values["table_max_wavelength"] == 0:
-        values["table_max_wavelength"] = None  # 0: the table goes (as resolve_options reads it)
+    explicit = {name: getattr(args, name) for name in OPTIONS}
+    try:
+        if row is not None:
+            encoder_variant_for(row, args.encoder_variant)
+        values = resolve_options(fields, row, None, **explicit)
+    except ValueError as error:
+        raise CliError(str(error)) from None
     if row is not None:  # where the declaration says an option applies by the model's config (sinks: one mask)
-        fields = SimpleNamespace(**config)  # config.json's fields, as the declarations read a config's
         for option in conversion_options():
-            applies, value = option.metadata["applies"], values[option.name]
-            if option.metadata["refusal"] is None and applies and value != option.default and not applies(row, fields):
+            value = explicit[option.name]
+            given = value is not None and value != option.default
+            if option.metadata["refusal"] is None and given and not applies(option, row, fields):
                 pair = (
                     " (an encoder-decoder: its two stacks are padded apart)"
                     if config.get("is_encoder_decoder")
@@ -95,17 +99,11 @@ def check_conversion_values(args: argparse.Namespace) -> None:
                     f"{flag(option.name)} {value} does not apply to SRC's {row.model_type} model{pair}; leave it out."
                 )
     slopes = values["slopes"]
-    count = args.heads or heads or (len(slopes) if slopes else 1)  # unknown here: the job counts them
+    count = heads or (len(slopes) if slopes else 1)  # unknown here: the job counts them
     try:
         check_pretrained_options(count, architecture=None if row is None else row.to_dict(), **values)
     except ValueError as error:
         raise CliError(f"{error} Nothing converted.") from None
-
-
-def config_heads(config: dict[str, Any]) -> int | None:
-    """The attention head count a config.json (as a dict) gives, under any of transformers' names for it, else
-    ``None``."""
-    return next((config[name] for name in HEAD_FIELDS if isinstance(config.get(name), int)), None)
 
 
 def _local_config(src: str) -> dict[str, Any]:
@@ -118,7 +116,7 @@ def _local_config(src: str) -> dict[str, Any]:
 def builtin_row(model_type: str | None):
     """The built-in architecture row of ``model_type`` (hf_alibi.patches: plain data, read without torch), or
     ``None`` (not a converted type: the job says what it is)."""
-    package = __name__.rpartition(".")[0]  # hf_alibi, or the command line's copy of its folder (hf_alibi_cli)
+    package = __name__.partition(".")[0]  # hf_alibi, or the command line's copy of its folder (hf_alibi_boot)
     for name in _ROW_MODULES:
         for row in importlib.import_module(f"{package}.patches.{name}").ROWS:
             if row.model_type == model_type:
@@ -162,9 +160,6 @@ def _check_file(path: str | None, name: str) -> None:
         raise CliError(f"{flag(name)} {path!r} is not a file: pass the path of a text file.")
 
 
-SERVING_ENGINES = ("transformers", "vllm")
-
-
 def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
     """``hf-alibi serve MODEL ...``'s ``--engine`` (``transformers``, the default, or ``vllm``) and the command line
     without it.
@@ -172,31 +167,28 @@ def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
     >>> serving_engine(["m", "--engine", "vllm", "--port", "8000"])
     ('vllm', ['m', '--port', '8000'])
     """
-    engine, rest, index = "transformers", [], 0
-    while index < len(argv):
-        argument = argv[index]
-        if argument == "--engine" or argument.startswith("--engine="):
-            value = argument.partition("=")[2] if "=" in argument else (argv[index + 1 : index + 2] or [""])[0]
-            if value not in SERVING_ENGINES:
-                choices = ", ".join(SERVING_ENGINES)
-                raise CliError(f"argument --engine: invalid choice {value!r} (choose from {choices})")
-            engine, index = value, index + (1 if "=" in argument else 2)
-            continue
-        rest.append(argument)
-        index += 1
-    return engine, rest
+    values, rest = take_option(argv, "engine")
+    for value in values:
+        if value not in SERVING_ENGINES:
+            choices = ", ".join(SERVING_ENGINES)
+            raise CliError(f"argument --engine: invalid choice {value or ''!r} (choose from {choices})")
+    return (values[-1] if values else SERVING_ENGINES[0]), rest
 
 
-def check_serve_arguments(argv: list[str]) -> None:
-    """``hf-alibi serve MODEL ...``'s options that this command answers in its own form before `transformers
-    serve` parses them (with the library loaded): the port, a number from 0 to 65535, and the cap on new tokens."""
-    try:
-        take_cap(argv)
-    except ServeOptionError as error:
-        raise CliError(str(error)) from None
-    name = flag("port")
-    for index, argument in enumerate(argv):
-        if argument == name or argument.startswith(name + "="):
-            value = argument.partition("=")[2] if "=" in argument else (argv[index + 1 : index + 2] or [""])[0]
-            if not (value.isdigit() and int(value) <= 65535):
-                raise CliError(f"argument {name}: invalid port {value!r}: give a number from 0 to 65535.")
+def serve_options(argv: list[str]) -> tuple[int, list[str]]:
+    """``hf-alibi serve MODEL ...``'s cap on new tokens (``--max-new-tokens-cap N``, taken out: the rest goes to
+    `transformers serve`) and the options this command answers in its own form before `transformers serve` parses
+    them (with the library loaded): the port, a number from 0 to 65535.
+
+    >>> serve_options(["--port", "8000", "--max-new-tokens-cap", "256"])
+    (256, ['--port', '8000'])
+    """
+    cap = flag("max_new_tokens_cap")
+    values, rest = take_option(argv, "max_new_tokens_cap")
+    for value in values:
+        if value is None or not value.isdigit() or int(value) < 1:
+            raise CliError(f"{cap} takes a positive number of new tokens per request (got {value!r})")
+    for value in take_option(rest, "port")[0]:
+        if not (value and value.isdigit() and int(value) <= 65535):
+            raise CliError(f"argument {flag('port')}: invalid port {value or ''!r}: give a number from 0 to 65535.")
+    return (int(values[-1]) if values else DEFAULT_CAP), rest
