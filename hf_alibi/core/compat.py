@@ -383,9 +383,8 @@ def wrap_server_builder(wrap) -> None:
     """Replace transformers' ``build_server`` (``transformers.cli.serving.server.build_server``, which ``Serve``
     imports from that module when it runs) with ``wrap(build_server)``; checked on transformers 5.24.0 (hf-alibi
     serve refuses older releases)."""
-    import importlib
+    from transformers.cli.serving import server  # through sys.modules: the transformers module that holds the name
 
-    server = importlib.import_module("transformers.cli.serving.server")
     server.build_server = wrap(server.build_server)
 
 

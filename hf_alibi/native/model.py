@@ -19,6 +19,9 @@ from ..core.slopes import CAUSAL
 from .attention import NativeAlibiAttention, boolean_causal_mask
 from .rows import NativeArchitecture
 
+# where the classes made here say they live: the package, whose names users import (pickle finds them by
+# _native_instance, not by this name)
+PUBLIC_MODULE = "hf_alibi.native"
 _ATTENTION_CLASSES: dict[tuple[type, NativeArchitecture], type] = {}
 _MODEL_CLASSES: dict[tuple[type, NativeArchitecture], type] = {}
 
@@ -34,7 +37,7 @@ def _attention_class(original: type, row: NativeArchitecture) -> type:
             (NativeAlibiAttention, original),
             {
                 "_native_row": row, "_native_arguments": names, "_native_original": original,
-                "__reduce_ex__": _reduce_native, "__module__": __name__, "__qualname__": name,
+                "__reduce_ex__": _reduce_native, "__module__": PUBLIC_MODULE, "__qualname__": name,
             },
         )  # fmt: skip
     return cls
@@ -113,7 +116,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             "_native_original": original,
             "_native_row": row,
             "__reduce_ex__": _reduce_native,
-            "__module__": __name__,
+            "__module__": PUBLIC_MODULE,
             "__qualname__": original.__name__,
         },
     )
