@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from .serve_requests import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body
+from .serve_requests import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body, openai_error
 
 WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
@@ -72,7 +72,7 @@ class RequestGuard:
             if sending.started:
                 raise
             logging.getLogger("hf_alibi.serve").exception("request to %s failed", scope["path"])
-            await _answer(send, 500, _error(500, f"the server failed on this request: {error}"))
+            await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
 
 
 async def _answer(send, status: int, payload: dict) -> None:
@@ -110,12 +110,7 @@ class _OpenAIErrors:
             await _answer(self.send, status, given)
             return
         detail = given.get("detail", given.get("error", given)) if isinstance(given, dict) else given
-        await _answer(self.send, status, _error(status, _detail_text(detail)))
-
-
-def _error(status: int, message: str) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        await _answer(self.send, status, openai_error(_detail_text(detail), status))
 
 
 def _detail_text(detail) -> str:

@@ -26,6 +26,17 @@ CAP_OPTION = "--max-new-tokens-cap"
 DEFAULT_CAP = 1024  # transformers serve's own default for a request that names no maximum
 
 
+def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object, the one shape every refusal of the server is answered in: ``type`` is
+    ``invalid_request_error`` for a client's error (status below 500), ``server_error`` otherwise.
+
+    >>> openai_error("no", 503)["error"]["type"]
+    'server_error'
+    """
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class BadRequest(ValueError):
     """A request the server refuses: ``payload()`` is OpenAI's error object, answered with ``status``."""
 
@@ -34,8 +45,7 @@ class BadRequest(ValueError):
         self.param, self.code, self.status = param, code, status
 
     def payload(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return openai_error(str(self), self.status, self.param, self.code)
 
 
 def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str) -> dict:

@@ -102,8 +102,8 @@ class AlibiBias(nn.Module):
         """The bias with this layer's own masking (causal, nonsymmetric), fp32 ``(1, H, q, kv)`` (``(B, H, q, kv)``
         with sinks on left-padded rows). ``starts`` and ``end`` place sinks and a rounded bias: the forward's
         (:class:`forward.AlibiForward`), where each row's real tokens start and where the sequence ends."""
-        plain = not self.sinks and self.rounding is None
-        if self.kind == CAUSAL and q_len == 1 and plain and not is_exporting():  # a decoding step
+        spec = self.spec
+        if spec.kind == CAUSAL and q_len == 1 and spec.plain and not is_exporting():  # a decoding step
             return decoding_row(self, kv_len, device)  # a view of a kept row, not built per step
         if self.rounding is not None:
             unpadded = starts is None or (starts.dim() == 1 and not bool(starts.any()))
