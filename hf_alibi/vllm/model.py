@@ -15,14 +15,23 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_IMPL
+from vllm.platforms import current_platform
 
 from ..core.names import grant_engine
 from ..core.slopes import CAUSAL
+from .internals import layer_backends, layer_refusal, platform_name
 from .support import check, rank_slopes
 
 
 class AlibiForCausalLM(TransformersForCausalLM):
-    """vLLM's ``TransformersForCausalLM`` for a converted checkpoint: each layer's attention with its slopes."""
+    """vLLM's ``TransformersForCausalLM`` for a converted checkpoint: each layer's attention with its slopes, and
+    each layer's backend checked once the model is built (before any weight loads, so before the first request)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):  # the signature vLLM inspects to call a model class
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        reason = layer_refusal(layer_backends(self, Attention), platform_name(current_platform))
+        if reason is not None:
+            raise ValueError(reason)
 
     def _patch_config(self):
         check(self.config)  # again here: the engine process may be reached without the config hook
