@@ -12,10 +12,10 @@ processes. :func:`register` names every converted architecture (``Alibi<Class>``
 - what vLLM's ``alibi_slopes`` cannot carry (:func:`refusal`) is refused in one line while vLLM reads the config,
   before any weight loads (:class:`checks.AlibiConfig`, vLLM's config hook). vLLM's attention adds
   ``slope * (key_position - query_position)`` to each causal score (its CPU and GPU kernels alike): the paper's bias,
-  with slopes as converted (the paper's, scaled, given, or fitted per layer and head). What hf_alibi renders beyond
-  that has no place there: sinks (the pretrained preset's bias-exempt first keys), an encoder's bidirectional bias,
-  soft-capped scores (where the bias goes relative to the cap is the kernel's, unchecked), and any task other than
-  causal language modelling;
+  with slopes as converted (the paper's, scaled, given, or fitted per layer and head). Sinks (the pretrained preset's
+  bias-exempt first keys) ride in extra query / key channels that give back what vLLM's bias took from those keys
+  (:mod:`hf_alibi.vllm.sinks`). What has no place there: an encoder's bidirectional bias, soft-capped scores (where
+  the bias goes relative to the cap is the kernel's, unchecked), and any task other than causal language modelling;
 - the length marker a converted config holds (no maximum) becomes vLLM's ``--max-model-len``, else its default for
   a model that states no length (:data:`DEFAULT_MAX_MODEL_LEN`).
 

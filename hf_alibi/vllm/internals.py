@@ -132,6 +132,10 @@ APPLIES_SLOPES = {
 # what the config hook sets where the user named none: TRITON_ATTN on GPUs (the one backend that applies the slopes
 # on all three), CPU_ATTN on the CPU (the only one there)
 PINNED = {"cuda": "TRITON_ATTN", "rocm": "TRITON_ATTN", "xpu": "TRITON_ATTN", "cpu": "CPU_ATTN"}
+# head sizes vLLM's CPU backend takes (cpu_attn.py, get_supported_head_sizes; 0.32 and 0.33); TRITON_ATTN takes any
+# from 32 (triton_attn.py supports_head_size), FLASH_ATTN multiples of 8 up to 256: the sinks' fold pads a head to
+# the smallest of these that holds it (hf_alibi/vllm/sinks.py)
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # flash_attn_version values under which FLASH_ATTN applies the slopes consistently (None is set to 2)
 FLASH_ATTN_ALIBI_VERSION = 2
 # what the others do with the slopes, as read (0.32 and 0.33), for the refusal's line; anything else unlisted is

@@ -9,15 +9,6 @@ from ..core.names import is_alibi
 # vLLM's own default for a model whose config states no length (config/model.py, _get_and_verify_max_len)
 DEFAULT_MAX_MODEL_LEN = 2048
 SERVED = "vLLM serves converted causal language models (the AutoModelForCausalLM class of their type)"
-# what the sinks refusal offers instead: the pretrained preset's quality without its sink needs the slopes refitted
-# for sinks 0 (docs/pretrained.md; measured on SmolLM2-135M, untrained, perplexity / the original's at 1024 / 4096:
-# this recipe 1.011 / 1.054, the preset with its sink and fitted slopes 1.001 / 1.014, the preset with --sinks 0 and
-# no fit 1.404 / 10.4, which is why the line never offers --sinks 0 alone)
-VLLM_RECIPE = "hf-alibi convert SRC OUT --preset pretrained --sinks 0 --fit-slopes --fit-text TEXT"
-VLLM_RECIPE_COST = (
-    "perplexity 1.054x the original's at 4k tokens on SmolLM2-135M against 1.014x with the sink; --sinks 0 without "
-    "--fit-slopes: 10x"
-)
 
 
 def refusal(config) -> str | None:
@@ -31,12 +22,6 @@ def refusal(config) -> str | None:
     if alibi.get("encoder_variant") is not None or (name is not None and name != f"Alibi{causal_lm}"):
         return f"{name or type(config).__name__} is not a causal language model: {SERVED}; run it in transformers."
     name = name or type(config).__name__
-    if alibi.get("sinks"):
-        return (
-            f"{name} was converted with sinks={alibi['sinks']} (its first keys carry no distance penalty), which "
-            f"vLLM's alibi_slopes cannot place: run it in transformers (`hf-alibi serve`), or for vLLM convert the "
-            f"original again with slopes fitted without a sink: {VLLM_RECIPE} ({VLLM_RECIPE_COST})."
-        )
     if getattr(config, "attn_logit_softcapping", None):
         return (
             f"{name} soft-caps its attention scores, and where vLLM's kernels add the ALiBi bias relative to the cap "
