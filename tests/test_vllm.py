@@ -347,10 +347,20 @@ def test_the_cuda_orders_and_the_names_hf_alibi_recorded_are_the_installed_vllms
 
 @pytest.mark.vllm
 def test_vllms_config_pins_a_backend_that_applies_the_slopes_and_refuses_one_that_drops_them(folders, tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
     torch.manual_seed(0)
     plain = tmp_path / "plain"  # an unconverted Llama: hf_alibi's plugin leaves it to vLLM
     LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, **LAYERS)).save_pretrained(plain)
     make_tokenizer(plain)
+    falcons = {}
+    for name, alibi in (("falcon_rw", True), ("falcon_rotary", False)):  # vLLM's Falcon: pinned only as Falcon-RW
+        shape = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, bias=True)
+        falcon = FalconConfig(**shape, alibi=alibi, new_decoder_architecture=False, multi_query=False,
+                              parallel_attn=False)  # fmt: skip
+        FalconForCausalLM(falcon).save_pretrained(tmp_path / name)
+        make_tokenizer(tmp_path / name)
+        falcons[name] = str(tmp_path / name)
     code = """
 import json, sys
 import hf_alibi_vllm
@@ -370,7 +380,8 @@ print(json.dumps(answers))
     llama, bloom = str(folders["llama"]), str(folders["bloom"])
     cases = [[llama, {}], [llama, {"attention_backend": "CPU_ATTN"}], [llama, {"attention_backend": "FLASHINFER"}],
              [llama, {"model_impl": "transformers", "trust_remote_code": True}], [bloom, {}],
-             [bloom, {"attention_backend": "FLEX_ATTENTION"}], [str(plain), {}]]  # fmt: skip
+             [bloom, {"attention_backend": "FLEX_ATTENTION"}], [str(plain), {}], [falcons["falcon_rw"], {}],
+             [falcons["falcon_rotary"], {}]]  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     answers = json.loads(run.stdout.strip().splitlines()[-1])
@@ -396,6 +407,7 @@ print(json.dumps(answers))
     assert answers[4] == ["ok", "CPU_ATTN"]  # vLLM's own BLOOM: the same pin
     assert answers[5][0] == "refused" and "FLEX_ATTENTION raises on ALiBi slopes" in answers[5][1][0]
     assert answers[6] == ["ok", None]  # a model without ALiBi: vLLM's choice, untouched
+    assert answers[7:] == [["ok", "CPU_ATTN"], ["ok", None]]  # Falcon-RW pinned; a rotary Falcon left to vLLM
 
 
 @pytest.mark.vllm
@@ -448,12 +460,13 @@ def test_on_a_gpu_vllm_runs_a_backend_that_applies_the_slopes_with_the_transform
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm")
-    folder = _save(tiny_llama(), tmp_path / "llama")
-    (got,) = _run_engine(folder, tmp_path, rounds=1)
-    for prompt, answer in zip(PROMPTS, got):
-        reference = _reference(folder, prompt, answer["tokens"])
-        chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
-        assert torch.allclose(chosen, torch.tensor(answer["logprobs"], dtype=torch.float64), atol=1e-3), prompt
+    for sinks in (0, 2):  # and the sinks' fold, at TRITON_ATTN's padded head
+        folder = _save(tiny_llama(sinks=sinks), tmp_path / f"llama{sinks}")
+        (got,) = _run_engine(folder, tmp_path, rounds=1)
+        for prompt, answer in zip(PROMPTS, got):
+            reference = _reference(folder, prompt, answer["tokens"])
+            chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
+            assert torch.allclose(chosen, torch.tensor(answer["logprobs"], dtype=torch.float64), atol=1e-3), prompt
     code = (
         "import sys, hf_alibi_vllm; from vllm.plugins import load_general_plugins; load_general_plugins(); "
         "from vllm.engine.arg_utils import EngineArgs; "
