@@ -111,8 +111,10 @@ def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0,
     return CHANNEL
 
 
-def _split(channel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``channel`` (fp32 / fp64) as ``(..., n)`` in ``dtype``: n = 1, or three half parts summing to it."""
+def half_parts(channel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``channel`` (fp32 / fp64) as ``(..., n)`` in ``dtype``: n = 1, or three half parts summing to it (each
+    subtraction exact in ``channel``'s dtype). The sdpa fold's channels, and vLLM's sinks channels
+    (``hf_alibi/vllm/sinks.py``), are made by it."""
     if dtype not in HALF_DTYPES:
         return channel.to(dtype)[..., None]
     exact = channel.dtype
@@ -149,8 +151,9 @@ def _sink_fold_channels(
             power *= 2.0
     slopes = slopes.to(exact)[:, None] / scaling / power  # (H, 1)
     sink = sink_keys(kv_len, sinks, starts, end, device=device)[:, :, 0, :, None]  # (B|1, 1, kv, 1)
-    key_channel = _split((slopes * key_pos)[None, :, :, None].masked_fill(sink, 0.0)[..., 0], dtype)  # (B|1, H, kv, n)
-    query_channel = _split(slopes * query_pos, dtype)[None]  # (1, H, q, n)
+    exempt = (slopes * key_pos)[None, :, :, None].masked_fill(sink, 0.0)[..., 0]
+    key_channel = half_parts(exempt, dtype)  # (B|1, H, kv, n)
+    query_channel = half_parts(slopes * query_pos, dtype)[None]  # (1, H, q, n)
     n = query_channel.shape[-1]
     heads = slopes.shape[0]
     indicator = (sink.to(dtype) * power).expand(-1, heads, kv_len, n)  # (B|1, H, kv, n)
@@ -178,7 +181,7 @@ def _rounded_fold_channels(
         while float(channel.abs().max()) / power > FP16_CHANNEL_LIMIT:
             power *= 2.0
         channel = channel / power
-    key_channel = _split(channel, dtype)  # (B|1, H, kv, n)
+    key_channel = half_parts(channel, dtype)  # (B|1, H, kv, n)
     n = key_channel.shape[-1]
     return key_channel.new_full((), power).expand(1, slopes.shape[0], q_len, n), key_channel
 
@@ -202,12 +205,7 @@ def _fold_channels(
         while (kv_len - 1) / 2 / scaling / power > FP16_CHANNEL_LIMIT:
             power *= 2.0
         channel = channel / power  # exact: a power of two
-    parts, rest = [], channel
-    for _ in range(HALF_PARTS):
-        part = rest.to(dtype)
-        parts.append(part)
-        rest = rest - part.to(exact)
-    return torch.stack(parts, dim=-1), power
+    return half_parts(channel, dtype), power
 
 
 def folded_causal_attention(

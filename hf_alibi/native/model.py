@@ -99,6 +99,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
     # generate() with a static cache on flex, where the release cannot take flex's mask made in advance
     masks_for_generate = block_mask_free_generate_masks()
     extra = {} if masks_for_generate is None else {"create_masks_for_generate": masks_for_generate}
+    backends = rendering_backends(row)
     cls = _MODEL_CLASSES[(original, row)] = type(
         original.__name__,
         (CheckpointsInForward, original),
@@ -109,7 +110,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             "init_continuous_batching": init_continuous_batching,
             # transformers' per-backend flags, read off the kernel table: a flag is set where one of its backends
             # renders this row's bias (Falcon's rounded bias: no flash kernel)
-            **{flag: any(name in rendering_backends(row) for name in names) for flag, names in SUPPORT_FLAGS.items()},
+            **{flag: any(name in backends for name in names) for flag, names in SUPPORT_FLAGS.items()},
             "_can_set_attn_implementation_cached_value": True,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,

@@ -196,7 +196,8 @@ def pin_backend(vllm_config, platform: str, backends) -> str:
             "model on CUDA, ROCm, XPU or the CPU, or in transformers (hf-alibi serve)."
         )
     attention = vllm_config.attention_config
-    for kind, chosen in sorted((getattr(attention, "backend_per_kind", None) or {}).items()):
+    per_kind = getattr(attention, "backend_per_kind", None) or {}
+    for kind, chosen in sorted(per_kind.items()):
         if chosen is not None and _backend_name(chosen) not in allowed:
             raise ValueError(backend_refusal(_backend_name(chosen), platform, f"backend_per_kind[{kind!r}]"))
     if attention.backend is None:
@@ -204,7 +205,7 @@ def pin_backend(vllm_config, platform: str, backends) -> str:
     name = _backend_name(attention.backend)
     if name not in allowed:
         raise ValueError(backend_refusal(name, platform))
-    if platform == "cuda" and "FLASH_ATTN" in {name, *map(_backend_name, (attention.backend_per_kind or {}).values())}:
+    if platform == "cuda" and "FLASH_ATTN" in {name, *map(_backend_name, per_kind.values())}:
         version = attention.flash_attn_version
         if version not in (None, FLASH_ATTN_ALIBI_VERSION):
             raise ValueError(

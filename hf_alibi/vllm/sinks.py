@@ -15,18 +15,17 @@ Pure torch, no vLLM: :mod:`hf_alibi.vllm.model` calls it around vLLM's attention
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..core.folded import HALF_DTYPES, HALF_PARTS, half_parts
 from .internals import HEAD_SIZES
-
-HALF_PARTS = 3  # bf16 / fp16 parts of an fp32 query term (3 x 8 bits >= fp32's 24)
 
 
 def channels(dtype: torch.dtype) -> int:
     """How many channels the fold adds to each query / key head in ``dtype``."""
-    return 2 * (HALF_PARTS if dtype in (torch.float16, torch.bfloat16) else 1)
+    return 2 * (HALF_PARTS if dtype in HALF_DTYPES else 1)
 
 
 def padded_head_size(head_size: int, dtype: torch.dtype) -> int:
@@ -58,18 +57,14 @@ class SinkFold:
     scale: float
     head_size: int
     padded: int
+    _slopes_on: dict = field(default_factory=dict, compare=False, repr=False)  # device -> the slopes (H, 1), fp32
 
-
-def _parts(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    # fp32 ``values`` as parts in ``dtype`` whose sum (accumulated in fp32 by the kernel) is ``values``
-    if dtype not in (torch.float16, torch.bfloat16):
-        return [values.to(dtype)]
-    parts, rest = [], values
-    for _ in range(HALF_PARTS):
-        part = rest.to(dtype)
-        parts.append(part)
-        rest = rest - part.float()
-    return parts
+    def slopes_on(self, device: torch.device) -> torch.Tensor:
+        """The slopes as an fp32 ``(H, 1)`` tensor on ``device``, made once per device (every step reads them)."""
+        kept = self._slopes_on.get(device)
+        if kept is None:
+            kept = self._slopes_on[device] = torch.tensor(self.slopes, dtype=torch.float32, device=device)[:, None]
+        return kept
 
 
 def fold(fold: SinkFold, query, key, value, positions):
@@ -78,13 +73,13 @@ def fold(fold: SinkFold, query, key, value, positions):
     attention function takes them)."""
     dtype, (_, heads, tokens, size) = query.dtype, query.shape
     positions = positions.reshape(-1).to(torch.float32)  # (T,)
-    slopes = torch.tensor(fold.slopes, dtype=torch.float32, device=query.device)[:, None]  # (H, 1)
+    slopes = fold.slopes_on(query.device)  # (H, 1)
     sink = (positions < fold.sinks).to(torch.float32)  # (T,): s_j
     q_terms = [slopes * positions / fold.scale, (-slopes / fold.scale).expand(heads, tokens)]  # (H, T) each
     k_terms = [sink, sink * positions]  # (T,) each
     q_channels, k_channels = [], []
     for q_term, k_term in zip(q_terms, k_terms):
-        parts = _parts(q_term, dtype)
+        parts = half_parts(q_term, dtype).unbind(-1)
         q_channels += parts
         k_channels += [k_term.to(dtype)] * len(parts)
     pad = fold.padded - size - len(q_channels)
