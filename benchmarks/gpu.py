@@ -14,9 +14,10 @@ step, and cached generation tokens/s (a prompt of L tokens, ``--new-tokens`` gre
   kernel (``sdpa_kernel``); which one PyTorch picks by itself depends on the cuDNN version, so the baseline of every
   ratio is the fastest of the three at that length (the lowest step time, the highest tokens/s), named in the table;
 - ``auto``: the ALiBi model on ``sdpa`` as a user gets it (the path ``dispatch.choose_path`` picks, nothing forced);
-- ``fold-flash``: the ALiBi model on ``sdpa``, the fold's channel construction (``HF_ALIBI_FOLD=channel``: a q/k head
-  of 72, run by SDPA's flash kernel in its 96-wide variant); ``fold-cudnn``: the cudnn construction
-  (``HF_ALIBI_FOLD=cudnn``: q/k 72, values 64, cuDNN's attention); the automatic choice is the latter on CUDA;
+- ``fold-flash``: the ALiBi model on ``sdpa``, the folded path forced (``auto`` takes the bias path at small sizes),
+  in the channel construction (``HF_ALIBI_FOLD=channel``: a q/k head of 72, run by SDPA's flash kernel in its 96-wide
+  variant); ``fold-cudnn``: the cudnn construction (``HF_ALIBI_FOLD=cudnn``: q/k 72, values 64, cuDNN's attention),
+  the one "auto" folds with on CUDA;
 - ``fa4``: the ALiBi model on ``flash_attention_4`` (FlashAttention-4 with an ALiBi score_mod), if flash-attn-4 is
   installed;
 - ``bias``: the ALiBi model forced onto the bias tensor (``set_attention_path(model, "bias")``);
@@ -160,7 +161,8 @@ def make_arm(arm: str, builder: Callable, max_len: int, args):
     env = {}
     if arm == "bias":
         hf_alibi.set_attention_path(model, "bias")
-    elif arm in ("fold-flash", "fold-cudnn"):
+    elif arm in ("fold-flash", "fold-cudnn"):  # the folded path, forced: "auto" takes the bias path at small sizes
+        hf_alibi.set_attention_path(model, "folded")
         env[FOLD_ENV] = "channel" if arm == "fold-flash" else "cudnn"
     elif arm == "flex":
         # hf_alibi registers its FlexAttention function; models off transformers' flex list dispatch too

@@ -129,10 +129,74 @@ choice() {  # the automatic choice on CUDA (dispatch.cuda_prefers_bias) checked 
     } 2>&1 | tee "$OUT/gpu_session_choice.log"
 }
 
+attention() {  # call 1 of a session after issue 49 (carry [".whl/a"], timeout_s 360): every GPU test but FA4's on this
+    # tree, one attention call timed apart from the model (gpu_attention.py), and training at batch 8 (gpu.py)
+    environment
+    mkdir -p .whlstash && echo '*' > .whlstash/.gitignore && cp .whl/a/*.part-* .whlstash/
+    install .whl/a/transformers-*.whl || echo "transformers wheel install failed: the image's transformers runs"
+    {
+        describe
+        echo "== pytest -m gpu (all but FA4's)"
+        timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not fa4" tests/core tests/training/test_fsdp.py \
+            tests/test_vllm.py 2>&1 | tail -15
+        echo "== benchmarks/gpu_attention.py: one attention call, forward + backward, batch 1 and 8"
+        timeout 60 python3 benchmarks/gpu_attention.py --lengths 1024 4096 16384 --arms plain-cudnn plain-flash \
+            plain-efficient plain-cudnn-72 bias-kernel bias fold-cudnn fold-channel
+        timeout 40 python3 benchmarks/gpu_attention.py --batch 8 --lengths 1024 4096 --arms plain-cudnn plain-flash \
+            plain-efficient plain-cudnn-72 bias-kernel bias fold-cudnn fold-channel
+        echo "== benchmarks/gpu.py: GPT-2, Llama at batch 8: auto, the fold on cuDNN, the bias path"
+        timeout 150 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
+            --new-tokens 16 --no-main-job --types gpt2 llama --arms unpatched-flash unpatched-cudnn \
+            unpatched-efficient auto fold-cudnn bias
+    } 2>&1 | tee "$OUT/gpu_session_attention.log"
+}
+
+attention_fa4() {  # call 2, within the machine's warmth (carry [".whl/b"], timeout_s 300): FA4's tests, FA4 with and
+    # without its ALiBi score_mod beside the SDPA arms, one attention call
+    environment
+    {
+        if ! ls .whlstash/*.part-00 >/dev/null 2>&1; then
+            echo "no stashed part of the cutlass libs (call 1 did not run on this machine): FA4 is not installed"
+        else
+            name=$(basename "$(ls .whlstash/*.part-00)" .part-00)
+            cat .whlstash/"$name".part-* .whl/b/"$name".part-* > "/tmp/$name"
+            install .whl/b/*.whl "/tmp/$name" || echo "wheel install failed: FA4 arms will be skipped"
+        fi
+        describe
+        echo "== pytest -m gpu: FlashAttention-4's ALiBi score_mod against float64"
+        timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k fa4 tests/core/test_gpu_kernels.py 2>&1 \
+            | tail -15
+        echo "== benchmarks/gpu_attention.py: FA4 with and without the score_mod, batch 1 and 8"
+        timeout 60 python3 benchmarks/gpu_attention.py --lengths 1024 4096 16384 --arms plain-cudnn plain-flash \
+            bias fold-cudnn fa4-plain fa4
+        timeout 40 python3 benchmarks/gpu_attention.py --batch 8 --lengths 1024 4096 --arms plain-cudnn plain-flash \
+            bias fold-cudnn fa4-plain fa4
+    } 2>&1 | tee "$OUT/gpu_session_attention_fa4.log"
+}
+
+batch() {  # the automatic choice counting the batch (carry [".whl/c"]: transformers, datasets, dill, multiprocess,
+    # gguf, for run_clm under accelerate's FSDP; timeout_s 300): every GPU test but FA4's, then training at batch 8
+    environment
+    install .whl/c/*.whl || echo "wheel install failed: the image's packages run"
+    {
+        describe
+        echo "== pytest -m gpu (all but FA4's)"
+        timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not fa4" tests/core tests/training/test_fsdp.py \
+            tests/test_vllm.py 2>&1 | tail -60
+        echo "== benchmarks/gpu.py: GPT-2, Llama at batch 8: auto, the folded path forced (cuDNN), the bias path"
+        timeout 120 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
+            --new-tokens 8 --no-main-job --types gpt2 llama --arms unpatched-flash unpatched-cudnn auto fold-cudnn bias
+    } 2>&1 | tee "$OUT/gpu_session_batch.log"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     part1) part1 ;;
     part2) part2 ;;
     choice) choice ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh prepare | part1 | part2 | choice (see the comment at its top)"; exit 2 ;;
+    attention) attention ;;
+    attention_fa4) attention_fa4 ;;
+    batch) batch ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh prepare | part1 | part2 | choice | attention | attention_fa4 | batch"
+       echo "(see the comment at its top)"; exit 2 ;;
 esac

@@ -316,7 +316,8 @@ REFACT_NAMES = {
 def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, outtype: str) -> None:
     import numpy as np
 
-    data = tensor.contiguous().numpy().astype(np.float32)
+    # the weights may sit on a GPU (a model trained there, FSDP's gathered state): GGUF is written from host memory
+    data = tensor.detach().cpu().float().contiguous().numpy()
     # vectors (norms, biases) stay f32, as llama.cpp's converter writes them
     if data.ndim < 2 or outtype == "f32":
         writer.add_tensor(name, data)

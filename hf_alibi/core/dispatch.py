@@ -40,10 +40,12 @@ from .slopes import CAUSAL
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
 # H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
 FOLD_MIN_QUERIES = 32
-# On CUDA "auto" keeps the bias path while a head's q x kv scores number at most this: measured on an H200 (bf16, 12
-# layers of 12 heads, GPT-2 and Llama shapes; docs/performance.md), the bias path's training step took 0.80-0.94 of the
-# fold's at 1k and 4k tokens and 1.9x it at 16k, and its prefill was faster at 1k and 4k; the fold's q/k head of 72
-# runs SDPA's flash and cuDNN kernels in a wider variant, while the bias is read by the memory-efficient kernel
+# On CUDA "auto" keeps the bias path while the batch's q x kv scores a head number at most this: measured on an H200
+# (bf16, 12 layers of 12 heads, GPT-2 and Llama shapes; docs/performance.md). At batch 1 the bias path's training step
+# took 0.80-0.94 of the fold's at 1k and 4k tokens and 1.9x it at 16k. One attention call timed apart: the bias
+# tensor's kernel (the memory-efficient one, the mask read for every row of the batch) grows with the batch where the
+# fold's cuDNN kernel, underused at batch 1, grows less: at 4k tokens 0.84 against 1.34 ms at batch 1, 5.76 against
+# 3.86 at batch 8; at 1k and batch 8 (as many scores as 4k at batch 2) the bias still leads, 0.60 against 1.23
 CUDA_BIAS_MAX_SCORES = 4096 * 4096
 # fewer queries than this run without the flush: measured on an Intel Xeon with slow subnormals (5x in the training
 # kernel), one decoding query against 64 to 8192 keys took no longer unflushed, and the flush adds 10-25 us a call
@@ -58,10 +60,11 @@ def path_setting() -> str:
     return os.environ.get(PATH_ENV) or AUTO
 
 
-def cuda_prefers_bias(device_type: str, q_len: int, kv_len: int) -> bool:
-    """Whether "auto" takes the bias path on this device for ``q_len`` queries against ``kv_len`` keys because it is
-    faster there than the fold (CUDA, up to ``CUDA_BIAS_MAX_SCORES`` scores a head), measured, not by construction."""
-    return device_type == "cuda" and q_len * kv_len <= CUDA_BIAS_MAX_SCORES
+def cuda_prefers_bias(device_type: str, q_len: int, kv_len: int, batch: int = 1) -> bool:
+    """Whether "auto" takes the bias path on this device for ``batch`` rows of ``q_len`` queries against ``kv_len``
+    keys because it is faster there than the fold (CUDA, up to ``CUDA_BIAS_MAX_SCORES`` scores a head over the batch),
+    measured, not by construction."""
+    return device_type == "cuda" and batch * q_len * kv_len <= CUDA_BIAS_MAX_SCORES
 
 
 def choose_path(
@@ -77,9 +80,10 @@ def choose_path(
     step in bf16 and fp32 where the bias path costs up to 2x; with a mask (channel construction) it
     is below the bias path from 256 queries and within noise of it at 32 to 128; it never builds an
     L x L tensor. On CUDA (H200, docs/performance.md) the bias path is the faster of the two up to
-    ``CUDA_BIAS_MAX_SCORES`` scores a head (``kv_len``, the keys, default the queries), the fold beyond it (on
-    cuDNN, ``folded.fold_construction``). While ``torch.export`` or ``torch.compile`` traces, the query count is
-    not looked at (it would become a guard that rejects other lengths): the fold is taken wherever it is exact.
+    ``CUDA_BIAS_MAX_SCORES`` scores a head over the batch (``kv_len``, the keys, default the queries), the fold
+    beyond it (on cuDNN, ``folded.fold_construction``). While ``torch.export`` or ``torch.compile`` traces, the
+    query count is not looked at (it would become a guard that rejects other lengths): the fold is taken wherever it
+    is exact.
 
     ``alibi.path`` (or ``HF_ALIBI_PATH`` when it is ``"auto"``) forces one; forcing ``"folded"``
     where it would be wrong raises instead of computing something else.
@@ -95,7 +99,7 @@ def choose_path(
         q_len = query.shape[2]
         if q_len < FOLD_MIN_QUERIES:
             return BIAS  # a few queries (decoding): the bias is small there, and this is the hot loop
-        if cuda_prefers_bias(query.device.type, q_len, q_len if kv_len is None else kv_len):
+        if cuda_prefers_bias(query.device.type, q_len, q_len if kv_len is None else kv_len, query.shape[0]):
             return BIAS
     if backend != "sdpa":
         reason = f"only the sdpa backend has it, not {backend!r}"

@@ -347,14 +347,18 @@ def test_auto_choice_table(backend, kind, dtype, q_len, kv_len, masked, dropout,
 
 
 def test_cuda_keeps_the_bias_path_while_it_is_the_faster():
-    """On CUDA "auto" takes the bias path up to 4096 x 4096 scores a head and the fold beyond (what an H200 measured,
-    docs/performance.md); on every other device the fold from 32 queries, as the table above says."""
+    """On CUDA "auto" takes the bias path up to 4096 x 4096 scores a head over the whole batch and the fold beyond
+    (what an H200 measured, docs/performance.md); on every other device the fold from 32 queries, as the table above
+    says."""
     from hf_alibi.core.dispatch import cuda_prefers_bias
 
     assert cuda_prefers_bias("cuda", 4096, 4096) and cuda_prefers_bias("cuda", 1024, 1024)
     assert cuda_prefers_bias("cuda", 2048, 8192)  # a chunk against a cache: q x kv, not the longer side squared
     assert not cuda_prefers_bias("cuda", 4096, 4097) and not cuda_prefers_bias("cuda", 16384, 16384)
     assert not cuda_prefers_bias("cpu", 1024, 1024) and not cuda_prefers_bias("mps", 1024, 1024)
+    # the batch counts: 8 rows of 1k are as many scores as 2 rows of 4k (bias), 8 rows of 4k the fold's side
+    assert cuda_prefers_bias("cuda", 1024, 1024, batch=8) and cuda_prefers_bias("cuda", 4096, 4096, batch=1)
+    assert not cuda_prefers_bias("cuda", 4096, 4096, batch=2) and not cuda_prefers_bias("cuda", 2048, 2048, batch=8)
 
 
 def test_half_fold_refused_when_sdpa_may_reduce_in_half_precision():

@@ -101,6 +101,19 @@ def test_fold_on_cudnn_forward_and_backward_against_float64(length):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("batch", "path"), [(1, "bias"), (8, "folded")])
+def test_auto_counts_the_batch_on_cuda(batch, path):
+    """2048 tokens: one row is the bias path's side of the choice, eight rows (4x the scores of 4096 x 4096) the
+    fold's; both exact against float64."""
+    q, k, v = leaves(batch, 2048, 2048)
+    layer = Layer("causal").cuda()
+    out, _ = ALL_ATTENTION_FUNCTIONS["alibi_sdpa"](layer, q, k, v, None, scaling=D**-0.5)
+    assert layer.alibi.last_path == path
+    check(out, q, k, v, "causal")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cudnn_is_the_automatic_fold_in_bf16_and_really_runs_cudnn():  # 8192 queries: the fold's side of the choice
     """The automatic choice on this GPU, and that SDPA under it runs cuDNN's kernel (not a fallback): the profiler's
     kernel names."""

@@ -193,7 +193,11 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     # the final model: a whole ALiBi checkpoint in both formats (run_clm saves the gathered model itself
     # when the Trainer wrote only shards)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(model).__name__ == "AlibiGPT2LMHeadModel" and not hasattr(model.transformer, "wpe")
+    from hf_alibi.core.strategies import NoPositionEmbedding
+
+    # the position table gone: a placeholder without weights stands where it was, and no checkpoint key holds it
+    assert type(model).__name__ == "AlibiGPT2LMHeadModel" and isinstance(model.transformer.wpe, NoPositionEmbedding)
+    assert not any("wpe" in key for key in model.state_dict())
     assert (out / "model-f32.gguf").read_bytes()[:4] == b"GGUF"
     checkpoint = out / "checkpoint-2"
     assert json.loads((checkpoint / "config.json").read_text())["model_type"] == "alibi_gpt2"
