@@ -10,7 +10,7 @@ by hf_alibi. Arms, each an engine of its own kept alive in a child process and a
   model's backend, so ``vllm-converted`` / ``vllm-original-tf`` is what ALiBi itself costs in vLLM;
 - ``vllm-converted``: the converted folder through hf_alibi's plugin (vLLM's kernels with ``alibi_slopes``);
 - ``vllm-converted-sinks``: the same conversion with one sink (the pretrained preset's), served through the fold's
-  extra query / key channels (hf_alibi/vllm/sinks.py: heads of 64 padded to 80), so ``vllm-converted-sinks`` /
+  extra query / key channels (hf_alibi/serve/vllm/sinks.py: heads of 64 padded to 80), so ``vllm-converted-sinks`` /
   ``vllm-converted`` is what serving sinks costs;
 - ``transformers-cb``: the converted model in transformers' ``generate_batch`` (paged cache, hf_alibi's paged bias),
   run by ``--transformers-python`` (an interpreter whose transformers runs continuous batching).
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-import hf_alibi_vllm  # first, here and in the processes vLLM spawns from this file
+import hf_alibi_boot.vllm  # first, here and in the processes vLLM spawns from this file
 
 HERE = os.path.abspath(__file__)
 MARK = "@@hf_alibi_bench@@ "  # starts the lines a child answers with
@@ -138,9 +138,9 @@ def main() -> None:
     if args.serve_arm:
         return serve_arm(*args.serve_arm, args)
 
-    # every engine process hides what cannot load beside torch+cpu (hf_alibi_vllm.environment)
+    # every engine process hides what cannot load beside torch+cpu (hf_alibi_boot.vllm.environment)
     threads = {"OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
-    env = hf_alibi_vllm.environment({**os.environ, **threads})
+    env = hf_alibi_boot.vllm.environment({**os.environ, **threads})
     passed = _plain(sys.argv[1:])
     with tempfile.TemporaryDirectory() as root:
         folders = save_models(args, root)

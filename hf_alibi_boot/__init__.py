@@ -1,4 +1,6 @@
-"""The ``hf-alibi`` command's boot: runs the command line (hf_alibi/cli/) before hf_alibi/__init__.py, without torch.
+"""What runs before hf_alibi/__init__.py. This module: the ``hf-alibi`` command's boot, which runs the command line
+(hf_alibi/cli/) without torch. Its subpackage :mod:`hf_alibi_boot.vllm`: vLLM's entrance (the plugin's entry point and
+the vLLM server's processes), which hides what cannot load before transformers is imported.
 
 ``import hf_alibi`` registers its model types and attention functions with transformers, which imports torch and
 transformers: seconds before anything is printed. Parsing a command line needs neither. So this loads the folder of

@@ -22,7 +22,7 @@ from hf_alibi.cli.checks import (
     serving_engine,
 )
 from hf_alibi.cli.parser import SERVE_FLAGS, build_parser, take_option
-from hf_alibi.serve_requests import DEFAULT_CAP
+from hf_alibi.serve.request_checks import DEFAULT_CAP
 
 TYPES = sorted(hf_alibi.supported_model_types())
 

@@ -1,5 +1,5 @@
-"""``hf-alibi serve`` (hf_alibi/serve.py): a converted tiny Llama behind transformers' own server, started as a child
-process on 127.0.0.1, with and without ``--continuous-batching``. Every answer is checked against greedy
+"""``hf-alibi serve`` (hf_alibi/serve/server.py): a converted tiny Llama behind transformers' own server, started as a
+child process on 127.0.0.1, with and without ``--continuous-batching``. Every answer is checked against greedy
 ``generate()`` of the same converted model on the same chat-templated prompt, alone: one request, one streamed, and
 8 at once (each answer its own request's, none mixed up)."""
 
@@ -25,7 +25,7 @@ from transformers.utils.import_utils import is_serve_available
 import hf_alibi
 from hf_alibi.cli import main as cli_main
 from hf_alibi.data import train_tokenizer
-from hf_alibi.serve import SERVER_CHECKED
+from hf_alibi.serve.server import SERVER_CHECKED
 
 pytestmark = [
     pytest.mark.skipif(
@@ -248,7 +248,7 @@ def test_serve_without_the_serving_extras_says_what_to_install(folder):
 def test_a_model_trained_with_alibi_gets_one_serving_class_per_original(bloom_folder):
     # serve() asks for the class twice (before and after transformers' CLI app is made): the same class both times
     from hf_alibi.checkpoints import read_config
-    from hf_alibi.serve import native_loader
+    from hf_alibi.serve.server import native_loader
 
     config = read_config(str(bloom_folder), "MODEL")
     first, second = native_loader(config, str(bloom_folder)), native_loader(config, str(bloom_folder))

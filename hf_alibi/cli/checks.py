@@ -31,7 +31,7 @@ from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported,
     resolve_options,
 )
 from ..recover.settings import settings_from_flags
-from ..serve_requests import DEFAULT_CAP
+from ..serve.request_checks import DEFAULT_CAP
 from .parser import SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())

@@ -28,7 +28,7 @@ from ..patch import ConversionPlan, patch_model, plan_conversion, takes_options
 from ..positions import original_length
 from ..recover.settings import check_fit_slopes, settings_from_flags
 from ..registry import get_native_architecture, supported_model_types
-from ..serve import MissingServingExtras
+from ..serve.server import MissingServingExtras
 from .checks import OPTIONS, fit_file
 from .parser import errors_exit
 
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
             info = checkpoint_info(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
         elif args.command == "serve":
-            from ..serve import serve
+            from ..serve.server import serve
 
             serve(args.model, args.arguments, cap=args.max_new_tokens_cap)
     return 0

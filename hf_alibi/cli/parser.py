@@ -25,7 +25,7 @@ from ..core.settings import conversion_options, flag_spellings, presets
 from ..core.version import __version__
 from ..gguf import OUTTYPES, GGUFExportError
 from ..recover.settings import add_setting_flags
-from ..serve_requests import DEFAULT_CAP
+from ..serve.request_checks import DEFAULT_CAP
 
 
 class CliError(Exception):

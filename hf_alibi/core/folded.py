@@ -114,7 +114,7 @@ def fold_construction(query: torch.Tensor, attention_mask, dropout: float = 0.0,
 def half_parts(channel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``channel`` (fp32 / fp64) as ``(..., n)`` in ``dtype``: n = 1, or three half parts summing to it (each
     subtraction exact in ``channel``'s dtype). The sdpa fold's channels, and vLLM's sinks channels
-    (``hf_alibi/vllm/sinks.py``), are made by it."""
+    (``hf_alibi/serve/vllm/sinks.py``), are made by it."""
     if dtype not in HALF_DTYPES:
         return channel.to(dtype)[..., None]
     exact = channel.dtype

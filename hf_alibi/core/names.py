@@ -57,7 +57,7 @@ ENGINE_GRANT = "_alibi_engine"
 
 def grant_engine(config, name: str) -> None:
     """Let this one config's model run with another engine's attention function ``name`` (vLLM's ``"vllm"``): only
-    the code that has handed that engine's kernels the model's slopes calls this (``hf_alibi.vllm``), so the
+    the code that has handed that engine's kernels the model's slopes calls this (``hf_alibi.serve.vllm``), so the
     engine applies the bias itself. Every other config, and this one under any other unknown name, is still refused
     (:func:`check_backend`). In memory only: ``to_dict`` and config.json never carry it."""
     config.__dict__[ENGINE_GRANT] = name

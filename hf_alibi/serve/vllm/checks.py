@@ -1,8 +1,9 @@
-"""vLLM's per-architecture config hooks (``MODELS_CONFIG_MAP``, :mod:`hf_alibi.vllm.internals`), run while vLLM reads
-the config, before any layer is built or weight loaded:
+"""vLLM's per-architecture config hooks (``MODELS_CONFIG_MAP``, :mod:`hf_alibi.serve.vllm.internals`), run while vLLM
+reads the config, before any layer is built or weight loaded:
 
-- :class:`AlibiConfig`, for each converted architecture: the refusals of :func:`hf_alibi.vllm.refusal`, the length,
-  and the attention backend pinned to one that applies the slopes on this platform (:func:`internals.pin_backend`);
+- :class:`AlibiConfig`, for each converted architecture: the refusals of :func:`hf_alibi.serve.vllm.refusal`, the
+  length, and the attention backend pinned to one that applies the slopes on this platform
+  (:func:`internals.pin_backend`);
 - :func:`native_hook`, for vLLM's own ALiBi models (BLOOM, Falcon-RW): the same pin, wrapped around vLLM's own hook
   for that architecture if it has one;
 - :func:`transformers_backend_hook`, for vLLM's Transformers backend classes (what ``model_impl="transformers"``
@@ -17,12 +18,12 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from ..core.config import NO_MAXIMUM
-from ..core.names import is_alibi
+from ...core.config import NO_MAXIMUM
+from ...core.names import is_alibi
 from .internals import TRANSFORMERS_IMPL, pin_backend, platform_name, transformers_impl_refusal
 from .support import DEFAULT_MAX_MODEL_LEN, check
 
-logger = logging.getLogger("hf_alibi.vllm")
+logger = logging.getLogger("hf_alibi.serve.vllm")
 
 
 def pin(vllm_config, model: str) -> None:

@@ -2,7 +2,7 @@
 without checking (``int(body["max_tokens"])``, ``body["messages"]``, ``float(body["temperature"])``, ...), so that a
 bad request answers 400 in OpenAI's error shape instead of HTTP 500, or of killing the continuous-batching worker (a
 prompt of no tokens, ``max_tokens: -1``). transformers' own checks stay where they are (unknown fields: 422; a
-request naming another model: 400); :mod:`hf_alibi.serve_guard` runs these checks on every request.
+request naming another model: 400); :mod:`hf_alibi.serve.guard` runs these checks on every request.
 
 Checked on transformers 5.24.0 (``transformers/cli/serving/{completion,chat_completion,response,utils}.py``). The
 standard library only, but for transformers' GenerationConfig to check a request's ``generation_config``.

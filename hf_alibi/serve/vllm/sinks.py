@@ -10,7 +10,7 @@ difference is ``m_h (i - j)`` on those keys alone, a product of a query term and
 extra output columns, zero, are dropped. In half precision each query term is split into three parts whose sum is
 its fp32 value (the key channels are small integers, exact), as the sdpa fold does (``hf_alibi/core/folded.py``).
 
-Pure torch, no vLLM: :mod:`hf_alibi.vllm.model` calls it around vLLM's attention function.
+Pure torch, no vLLM: :mod:`hf_alibi.serve.vllm.model` calls it around vLLM's attention function.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.folded import HALF_DTYPES, HALF_PARTS, half_parts
+from ...core.folded import HALF_DTYPES, HALF_PARTS, half_parts
 from .internals import HEAD_SIZES
 
 

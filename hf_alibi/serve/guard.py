@@ -1,11 +1,11 @@
 """What ``hf-alibi serve`` adds around transformers' server, in the server process, without copying it:
 
 - :class:`RequestGuard`, an ASGI middleware on the app transformers builds: every POST to a generation endpoint is
-  checked (:func:`hf_alibi.serve_requests.check_body`) before a handler reads it; a bad one answers 400 in OpenAI's
-  error shape, and transformers' own refusals (``{"detail": ...}``) are answered in that shape too.
+  checked (:func:`hf_alibi.serve.request_checks.check_body`) before a handler reads it; a bad one answers 400 in
+  OpenAI's error shape, and transformers' own refusals (``{"detail": ...}``) are answered in that shape too.
 - the cap on new tokens per request (``--max-new-tokens-cap``, read by the command line:
-  :func:`hf_alibi.cli.checks.serve_options`; :data:`~hf_alibi.serve_requests.DEFAULT_CAP` by default), written into
-  each request: one that names no maximum gets the cap, one that asks more is refused.
+  :func:`hf_alibi.cli.checks.serve_options`; :data:`~hf_alibi.serve.request_checks.DEFAULT_CAP` by default), written
+  into each request: one that names no maximum gets the cap, one that asks more is refused.
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
   every later request 503 until the process ends), the process says so in one line and exits with
   :data:`WORKER_DIED_STATUS`, for a supervisor (systemd, Kubernetes, a shell loop) to start it again.
@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from .serve_requests import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body, openai_error
+from .request_checks import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body, openai_error
 
 WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
@@ -125,7 +125,7 @@ def watch_worker(generation_state) -> threading.Thread:
     """A daemon thread that ends the process, with one line and :data:`WORKER_DIED_STATUS`, once transformers'
     continuous-batching worker is dead (``GenerationState.is_cb_alive()``; True while none was started)."""
 
-    from .core.compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
+    from ..core.compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
 
     def watch():
         while generation_state.is_cb_alive():

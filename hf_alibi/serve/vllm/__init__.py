@@ -1,6 +1,6 @@
 """vLLM serves the decoders hf_alibi converts, with vLLM's own ALiBi kernels (``pip install -e ".[vllm]"``).
 
-vLLM loads this as a general plugin (entry point ``vllm.general_plugins``, :mod:`hf_alibi_vllm`) in each of its
+vLLM loads this as a general plugin (entry point ``vllm.general_plugins``, :mod:`hf_alibi_boot.vllm`) in each of its
 processes. :func:`register` names every converted architecture (``Alibi<Class>``) in vLLM's model registry:
 
 - a converted causal language model (``Alibi<X>ForCausalLM``) runs as :class:`model.AlibiForCausalLM`, vLLM's
@@ -14,16 +14,18 @@ processes. :func:`register` names every converted architecture (``Alibi<Class>``
   ``slope * (key_position - query_position)`` to each causal score (its CPU and GPU kernels alike): the paper's bias,
   with slopes as converted (the paper's, scaled, given, or fitted per layer and head). Sinks (the pretrained preset's
   bias-exempt first keys) ride in extra query / key channels that give back what vLLM's bias took from those keys
-  (:mod:`hf_alibi.vllm.sinks`). What has no place there: an encoder's bidirectional bias, soft-capped scores (where
-  the bias goes relative to the cap is the kernel's, unchecked), and any task other than causal language modelling;
+  (:mod:`hf_alibi.serve.vllm.sinks`). What has no place there: an encoder's bidirectional bias, soft-capped scores
+  (where the bias goes relative to the cap is the kernel's, unchecked), and any task other than causal language
+  modelling;
 - the length marker a converted config holds (no maximum) becomes vLLM's ``--max-model-len``, else its default for
   a model that states no length (:data:`DEFAULT_MAX_MODEL_LEN`).
 
 Every architecture served here, and vLLM's own ALiBi classes (BLOOM, Falcon-RW: their config hooks, vLLM's own
 kept), run on an attention backend that applies the slopes on the platform: pinned while vLLM reads the config where
 none is named, refused in one line where the one named drops them, and each layer's checked once the model is built
-(:mod:`hf_alibi.vllm.internals`: every vLLM internal read, with the versions read on). ``model_impl="transformers"``
-on a converted folder is refused while vLLM reads the config, in one line that says what runs it.
+(:mod:`hf_alibi.serve.vllm.internals`: every vLLM internal read, with the versions read on).
+``model_impl="transformers"`` on a converted folder is refused while vLLM reads the config, in one line that says
+what runs it.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from .support import DEFAULT_MAX_MODEL_LEN, SERVED, check, converted_architectur
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "SERVED", "check", "converted_architectures", "rank_slopes", "refusal", "register"]
 
 
-logger = logging.getLogger("hf_alibi.vllm")
+logger = logging.getLogger("hf_alibi.serve.vllm")
 _WARNED = False  # the version line, once per process
 
 
 def register() -> None:
-    """vLLM's general plugin (through :func:`hf_alibi_vllm.register`): each converted architecture to
+    """vLLM's general plugin (through :func:`hf_alibi_boot.vllm.register`): each converted architecture to
     :class:`model.AlibiForCausalLM`, with :class:`checks.AlibiConfig` as its config hook (refusals and the length).
     Idempotent: vLLM may call it more than once per process."""
     import vllm
@@ -58,7 +60,7 @@ def register() -> None:
         logger.warning(warning)
     for name in converted_architectures():
         # the class itself, not "module:class": vLLM inspects a class named by string in a fresh interpreter, which
-        # imports transformers' image code before any plugin could hide what cannot load (hf_alibi_vllm)
+        # imports transformers' image code before any plugin could hide what cannot load (hf_alibi_boot.vllm)
         ModelRegistry.register_model(name, AlibiForCausalLM)
         MODELS_CONFIG_MAP[name] = AlibiConfig
     # vLLM's own hooks for these names (none in 0.32 / 0.33) are kept, wrapped; registering twice wraps once

@@ -18,8 +18,8 @@ from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_IMPL
 from vllm.platforms import current_platform
 
-from ..core.names import grant_engine
-from ..core.slopes import CAUSAL
+from ...core.names import grant_engine
+from ...core.slopes import CAUSAL
 from .internals import layer_backends, layer_refusal, platform_name
 from .sinks import SinkFold, fold, padded_head_size, unfold
 from .support import check, rank_slopes

@@ -3,8 +3,8 @@ slopes, the architecture names (no vLLM import: the default test tier reads thes
 
 from __future__ import annotations
 
-from ..core.compat import auto_class_names
-from ..core.names import is_alibi
+from ...core.compat import auto_class_names
+from ...core.names import is_alibi
 
 # vLLM's own default for a model whose config states no length (config/model.py, _get_and_verify_max_len)
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -57,6 +57,6 @@ def converted_architectures() -> list[str]:
     >>> "AlibiLlamaForCausalLM" in converted_architectures()
     True
     """
-    from ..registry import supported_model_types
+    from ...registry import supported_model_types
 
     return sorted({"Alibi" + name for kind in supported_model_types() for name in auto_class_names(kind).values()})

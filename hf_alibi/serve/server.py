@@ -10,7 +10,7 @@ MODEL and hands every other argument to transformers' server unchanged. A model 
 class name there: in this server process that name loads it and runs it on hf_alibi's paths (:func:`native_loader`;
 transformers' own code of these three cannot run continuous batching). Every request is checked before transformers'
 handlers read it, new tokens are capped (``--max-new-tokens-cap``), and a dead continuous-batching worker ends the
-process in one line (:mod:`hf_alibi.serve_guard`, docs/engines.md)::
+process in one line (:mod:`hf_alibi.serve.guard`, docs/engines.md)::
 
     hf-alibi serve ./my-alibi-llama --port 8000 --continuous-batching
     python -m hf_alibi serve ./my-alibi-llama --port 8000
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import sys
 
-from .checkpoints import CheckpointError, is_alibi, read_config
-from .serve_requests import DEFAULT_CAP
+from ..checkpoints import CheckpointError, is_alibi, read_config
+from .request_checks import DEFAULT_CAP
 
 EXTRAS_INSTALL = "pip install 'hf_alibi[serve]' (or transformers' own: pip install 'transformers[serving]')"
 
@@ -37,8 +37,8 @@ def serving_class(model: str) -> type:
     >>> hf_alibi.serve.serving_class("./my-alibi-llama").__name__  # doctest: +SKIP
     'AlibiLlamaForCausalLM'
     """
-    from . import models
-    from .registry import get_native_architecture
+    from .. import models
+    from ..registry import get_native_architecture
 
     config = read_config(model, "MODEL")
     native = get_native_architecture(config.get("model_type", ""))
@@ -73,7 +73,7 @@ def native_loader(config: dict, model: str) -> type:
     that, since transformers' own class takes only eager."""
     import transformers
 
-    from .patch import patch_model
+    from ..patch import patch_model
 
     name = (config.get("architectures") or [None])[0]
     original = getattr(transformers, name, None) if isinstance(name, str) else None
@@ -104,13 +104,13 @@ def native_loader(config: dict, model: str) -> type:
 _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained with ALiBi -> its serving subclass
 
 
-# transformers' server whose requests serve_guard checks and bounds (tests/test_serve_guard.py): on 5.19 (vLLM's CPU
+# transformers' server whose requests guard.py checks and bounds (tests/test_serve_guard.py): on 5.19 (vLLM's CPU
 # pin) a completion's max_tokens was seen not honoured behind the guard, so the cap would not hold there
 SERVER_CHECKED = "5.24"
 
 
 def check_server_version() -> None:
-    """One-line refusal where transformers' server is older than the one :mod:`hf_alibi.serve_guard` was checked on."""
+    """One-line refusal where transformers' server is older than the one :mod:`hf_alibi.serve.guard` was checked on."""
     from packaging.version import Version
     from transformers import __version__
 
@@ -125,9 +125,9 @@ def check_server_version() -> None:
 def serve(model: str, arguments: list[str], cap: int = DEFAULT_CAP) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
     checked and bounded first (at most ``cap`` new tokens each: ``hf-alibi serve --max-new-tokens-cap``, which the
-    command line reads), and the process ended if the continuous-batching worker dies (:mod:`hf_alibi.serve_guard`)."""
-    from .core.compat import serving_available, transformers_cli_app, wrap_server_builder
-    from .serve_guard import guarded_build_server, say, start_lines
+    command line reads), and the process ended if the continuous-batching worker dies (:mod:`hf_alibi.serve.guard`)."""
+    from ..core.compat import serving_available, transformers_cli_app, wrap_server_builder
+    from .guard import guarded_build_server, say, start_lines
 
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
         raise MissingServingExtras(f"hf-alibi serve needs transformers' serving extras: {EXTRAS_INSTALL}.")

@@ -1,16 +1,17 @@
-"""vLLM's OpenAI-compatible server on a converted folder, run as a file: ``python -m hf_alibi_vllm MODEL [options]``
-(and ``hf-alibi serve MODEL --engine vllm``) start ``python .../hf_alibi_vllm/server.py MODEL [options]``.
+"""vLLM's OpenAI-compatible server on a converted folder, run as a file: ``python -m hf_alibi_boot.vllm MODEL
+[options]`` (and ``hf-alibi serve MODEL --engine vllm``) start ``python .../hf_alibi_boot/vllm/server.py MODEL
+[options]``.
 
 As a file, because vLLM starts its engine in processes of its own (``spawn`` on the CPU), and such a process runs
 its parent's main file before anything else, but never a ``__main__`` module of a package: so each of them imports
-:mod:`hf_alibi_vllm` first and what cannot load is hidden before vLLM imports transformers. The server itself is
+:mod:`hf_alibi_boot.vllm` first and what cannot load is hidden before vLLM imports transformers. The server itself is
 vLLM's (``vllm serve``'s api_server entry): every option is vLLM's.
 """
 
 import os
 import sys
 
-import hf_alibi_vllm  # first, here and in every process vLLM spawns from this file
+import hf_alibi_boot.vllm  # first, here and in every process vLLM spawns from this file
 
 
 def main(argv: list[str]) -> None:
@@ -24,10 +25,10 @@ def main(argv: list[str]) -> None:
 
 
 def exec_server(argv: list[str]) -> None:
-    """This file, with ``argv``, in the calling process's place, in :func:`hf_alibi_vllm.environment` (``python -m
-    hf_alibi_vllm`` and ``hf-alibi serve MODEL --engine vllm``)."""
+    """This file, with ``argv``, in the calling process's place, in :func:`hf_alibi_boot.vllm.environment` (``python -m
+    hf_alibi_boot.vllm`` and ``hf-alibi serve MODEL --engine vllm``)."""
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], hf_alibi_vllm.environment())
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], hf_alibi_boot.vllm.environment())
 
 
 if __name__ == "__main__":
