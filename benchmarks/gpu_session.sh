@@ -7,7 +7,8 @@
 # 1. Here, where pip reaches PyPI (no GPU needed; a minute):
 #        bash benchmarks/gpu_session.sh prepare
 #    downloads the wheels for the device's Python 3.12 / CUDA 13 into .whl/ (a folder that ignores itself):
-#    .whl/a/ (transformers and the first 45 MiB of nvidia-cutlass-dsl-libs-cu13), .whl/b/ (the rest, FA4's wheels).
+#    .whl/a/ (transformers and the first 45 MiB of nvidia-cutlass-dsl-libs-cu13), .whl/b/ (the rest, FA4's wheels),
+#    .whl/c/ (transformers, datasets, dill, multiprocess, gguf).
 # 2. Device call 1 (carry [".whl/a"], timeout_s 420; about 5 minutes):
 #        bash benchmarks/gpu_session.sh part1
 #    keeps its part of the big wheel in .whlstash/ (ignored: a warm device keeps ignored files between calls), installs
@@ -16,7 +17,11 @@
 # 3. Device call 2, within the machine's 30 s of warmth (carry [".whl/b"], timeout_s 420; about 5 minutes):
 #        bash benchmarks/gpu_session.sh part2
 #    puts the big wheel together, installs FA4, runs FA4's GPU tests, then gpt2 / llama with the fa4 arm.
-# Everything is teed to $OUT/gpu_session.log; each step runs under its own time limit, so a cut step still reports.
+# The second session's steps (docs/performance.md, "Second H200 session"), called the same way:
+#    attention (carry [".whl/a"], ~3 min): every GPU test but FA4's, gpu_attention.py's SDPA arms, gpu.py at batch 8;
+#    attention_fa4 (carry [".whl/b"], within the warmth, ~2 min): FA4's tests, FA4 with and without its score_mod;
+#    batch (carry [".whl/c"]: transformers and run_clm's needs the image lacks, for the FSDP launches; ~3 min).
+# Everything is teed to $OUT/gpu_session_<step>.log; each step runs under its own time limit, so a cut step reports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +31,7 @@ FA4_WHEELS=(
     "quack-kernels==0.6.5" "apache-tvm-ffi==0.1.15.post2" "torch-c-dlpack-ext==0.1.5" "transformers==5.24.0"
 )
 BIG_WHEEL="nvidia-cutlass-dsl-libs-cu13==4.8.1"
+RUN_CLM_WHEELS=("datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" "gguf==0.19.0")  # FSDP's run_clm launch
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -35,7 +41,7 @@ download() {  # wheels for the device's CPython 3.12 on x86-64, without their de
 }
 
 prepare() {
-    rm -rf .whl && mkdir -p .whl/a .whl/b /tmp/hf_alibi_big_wheel
+    rm -rf .whl && mkdir -p .whl/a .whl/b .whl/c /tmp/hf_alibi_big_wheel
     echo '*' > .whl/.gitignore  # the folder ignores itself: it travels only where a call carries it
     download .whl/b "${FA4_WHEELS[@]}" || exit 1
     download /tmp/hf_alibi_big_wheel "$BIG_WHEEL" || exit 1
@@ -43,7 +49,9 @@ prepare() {
     split -b 45m -d "$big" ".whl/a/$(basename "$big").part-"
     mv ".whl/a/$(basename "$big").part-01" .whl/b/
     mv .whl/b/transformers-*.whl .whl/a/
-    du -sh .whl/a .whl/b
+    mkdir -p .whl/c && cp .whl/a/transformers-*.whl .whl/c/  # the batch call: run_clm's needs the image lacks
+    download .whl/c "${RUN_CLM_WHEELS[@]}" || exit 1
+    du -sh .whl/a .whl/b .whl/c
 }
 
 SITE=/tmp/site
@@ -58,6 +66,20 @@ environment() {
 
 install() {  # install the named wheels under $SITE, without their dependencies (the device's image has them)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
+}
+
+stash_part() {  # the first call of a pair keeps its half of the big wheel for the second (a warm device keeps it)
+    mkdir -p .whlstash && echo '*' > .whlstash/.gitignore && cp .whl/a/*.part-* .whlstash/
+}
+
+install_fa4() {  # the second call: the big wheel put together from both halves, FA4's wheels installed
+    if ! ls .whlstash/*.part-00 >/dev/null 2>&1; then
+        echo "no stashed part of the cutlass libs (the first call did not run on this machine): FA4 is not installed"
+        return
+    fi
+    name=$(basename "$(ls .whlstash/*.part-00)" .part-00)
+    cat .whlstash/"$name".part-* .whl/b/"$name".part-* > "/tmp/$name"
+    install .whl/b/*.whl "/tmp/$name" || echo "wheel install failed: FA4 arms will be skipped"
 }
 
 describe() {
@@ -77,7 +99,7 @@ PY
 
 part1() {
     environment
-    mkdir -p .whlstash && echo '*' > .whlstash/.gitignore && cp .whl/a/*.part-* .whlstash/
+    stash_part
     install .whl/a/transformers-*.whl || echo "transformers wheel install failed: the image's transformers runs"
     {
         describe
@@ -96,13 +118,7 @@ part1() {
 part2() {
     environment
     {
-        if ! ls .whlstash/*.part-00 >/dev/null 2>&1; then
-            echo "no stashed part of the cutlass libs (part1 did not run on this machine): FA4 is not installed"
-        else
-            name=$(basename "$(ls .whlstash/*.part-00)" .part-00)
-            cat .whlstash/"$name".part-* .whl/b/"$name".part-* > "/tmp/$name"
-            install .whl/b/*.whl "/tmp/$name" || echo "wheel install failed: FA4 arms will be skipped"
-        fi
+        install_fa4
         python3 -c "import transformers; assert transformers.__version__ >= '5.19'" 2>/dev/null \
             || echo "transformers below 5.19 (part1's install is gone): hf_alibi will refuse"
         describe
@@ -132,7 +148,7 @@ choice() {  # the automatic choice on CUDA (dispatch.cuda_prefers_bias) checked 
 attention() {  # call 1 of a session after issue 49 (carry [".whl/a"], timeout_s 360): every GPU test but FA4's on this
     # tree, one attention call timed apart from the model (gpu_attention.py), and training at batch 8 (gpu.py)
     environment
-    mkdir -p .whlstash && echo '*' > .whlstash/.gitignore && cp .whl/a/*.part-* .whlstash/
+    stash_part
     install .whl/a/transformers-*.whl || echo "transformers wheel install failed: the image's transformers runs"
     {
         describe
@@ -155,13 +171,7 @@ attention_fa4() {  # call 2, within the machine's warmth (carry [".whl/b"], time
     # without its ALiBi score_mod beside the SDPA arms, one attention call
     environment
     {
-        if ! ls .whlstash/*.part-00 >/dev/null 2>&1; then
-            echo "no stashed part of the cutlass libs (call 1 did not run on this machine): FA4 is not installed"
-        else
-            name=$(basename "$(ls .whlstash/*.part-00)" .part-00)
-            cat .whlstash/"$name".part-* .whl/b/"$name".part-* > "/tmp/$name"
-            install .whl/b/*.whl "/tmp/$name" || echo "wheel install failed: FA4 arms will be skipped"
-        fi
+        install_fa4
         describe
         echo "== pytest -m gpu: FlashAttention-4's ALiBi score_mod against float64"
         timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k fa4 tests/core/test_gpu_kernels.py 2>&1 \
