@@ -541,7 +541,7 @@ def _smollm2_gguf() -> Path | None:
     return found[0] if found else None
 
 
-def _reference(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+def _greedy_with_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens for ``prompt`` and each one's log-probability, fp32."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -595,7 +595,7 @@ def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformer
     assert len(stream) >= 3900
     prompts = [stream[:64], stream[1000:1300], stream[3000:3900]]
     new_tokens = 16
-    expected = [_reference(converted, prompt, new_tokens) for prompt in prompts]
+    expected = [_greedy_with_logprobs(converted, prompt, new_tokens) for prompt in prompts]
     flags = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
              "--max-num-batched-tokens", "256"]  # fmt: skip
     with _vllm_server(folder, *flags) as base:
