@@ -29,7 +29,6 @@ An arm that cannot run prints why in place of its figures. ``--device cpu`` runs
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -61,10 +60,6 @@ class Layer(nn.Module):
         self.is_causal = True
 
 
-def _fa4_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("cutlass") is not None
-
-
 def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callable | str:
     """A function of (q, k, v) -> output for this arm, or why it cannot run here."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -94,15 +89,17 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
     if arm == "bias-kernel":
         mask = Layer(heads, "bias").alibi(length, length, device, torch.finfo(torch.bfloat16).min)
         mask = mask.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # q's dtype already
     if arm in ("fa4-plain", "fa4"):
-        if not _fa4_installed():
+        from hf_alibi.core.fa4 import fa4_kernels  # the one place that finds FlashAttention-4
+
+        try:
+            flash_attn_func = fa4_kernels(device)[0]
+        except ImportError:
             return "flash-attn-4 not installed"
         if torch.cuda.get_device_capability(device)[0] < 9:
             return "FA4 needs Hopper or Blackwell"
         if arm == "fa4-plain":
-            from flash_attn.cute import flash_attn_func
-
             return lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)[0]
         layer = Layer(heads, "auto").to(device).train()
         run = ALL_ATTENTION_FUNCTIONS["alibi_flash_attention_4"]
@@ -118,33 +115,40 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
     construction = {"fold-cudnn": "cudnn", "fold-channel": "channel"}.get(arm)
 
     def alibi(q, k, v):
+        saved = os.environ.get(FOLD_ENV)
         if construction is not None:
             os.environ[FOLD_ENV] = construction
         try:
             return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=0.0)[0]
-        finally:
-            os.environ.pop(FOLD_ENV, None)
+        finally:  # the user's own setting back, for the next arm
+            if saved is None:
+                os.environ.pop(FOLD_ENV, None)
+            else:
+                os.environ[FOLD_ENV] = saved
 
     alibi.layer = layer  # its alibi.last_path says which path ran
     return alibi
 
 
 def timed(fn: Callable, q, k, v, grad: torch.Tensor) -> float:
-    """Milliseconds of one forward + backward."""
+    """Milliseconds of one forward + backward (CUDA events on a GPU, the wall clock elsewhere)."""
     for t in (q, k, v):
         t.grad = None
-    if q.device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step():
         out = fn(q, k, v)
         out.backward(grad.reshape(out.shape))
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    begin = time.perf_counter()
-    out = fn(q, k, v)
-    out.backward(grad.reshape(out.shape))
-    return (time.perf_counter() - begin) * 1e3
+
+    if q.device.type != "cuda":
+        begin = time.perf_counter()
+        step()
+        return (time.perf_counter() - begin) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def run_length(length: int, args, device: torch.device, dtype: torch.dtype) -> None:

@@ -215,14 +215,23 @@ def _run_engine(folder: Path, tmp: Path, rounds: int = 2, env: dict = ENV, **eng
     return json.loads(out.read_text())
 
 
-def _reference(folder: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    # hf_alibi's transformers model of the same folder, teacher-forced on vLLM's tokens: log-probabilities per step
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    # ``model`` teacher-forced on ``tokens`` after ``prompt``: log-probabilities per step, (len(tokens), vocab)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
     return logits.double().log_softmax(-1)
+
+
+def _chosen(log_probabilities: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    # each step's log-probability of its token, from _teacher_forced's (len(tokens), vocab)
+    return log_probabilities[torch.arange(len(tokens)), tokens]
+
+
+def _reference(folder: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    # hf_alibi's transformers model of the same folder, teacher-forced on vLLM's tokens
+    from transformers import AutoModelForCausalLM
+
+    return _teacher_forced(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), prompt, tokens)
 
 
 @pytest.mark.vllm
@@ -231,7 +240,7 @@ def test_vllm_gives_the_tokens_and_log_probabilities_of_the_transformers_model(n
     first, second = _run_engine(folders[name], tmp_path)
     for prompt, got in zip(PROMPTS, first):
         reference = _reference(folders[name], prompt, got["tokens"])
-        chosen = reference[torch.arange(len(got["tokens"])), got["tokens"]]
+        chosen = _chosen(reference, got["tokens"])
         # BLOOM: vLLM's own class computes GELU exactly, transformers' BLOOM with its tanh approximation
         tolerance = 3e-3 if name == "bloom" else 1e-4
         assert torch.allclose(chosen, torch.tensor(got["logprobs"], dtype=torch.float64), atol=tolerance), name
@@ -252,7 +261,7 @@ def test_two_tensor_parallel_ranks_each_place_their_heads_slopes(name, folders, 
     (ranked,) = _run_engine(folders[name], tmp_path, rounds=1, env=env, tensor_parallel_size=2)
     for prompt, got in zip(PROMPTS, ranked):
         reference = _reference(folders[name], prompt, got["tokens"])
-        chosen = reference[torch.arange(len(got["tokens"])), got["tokens"]]
+        chosen = _chosen(reference, got["tokens"])
         assert torch.allclose(chosen, torch.tensor(got["logprobs"], dtype=torch.float64), atol=1e-4), prompt
 
 
@@ -265,7 +274,7 @@ def test_sinks_in_bfloat16_keep_the_precision_of_a_model_without_them(folders, t
     worst = 0.0
     for prompt, answer in zip(PROMPTS, got):
         reference = _reference(folders["llama_sinks"], prompt, answer["tokens"])
-        chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
+        chosen = _chosen(reference, answer["tokens"])
         worst = max(worst, (chosen - torch.tensor(answer["logprobs"], dtype=torch.float64)).abs().max().item())
     assert worst < 0.05
 
@@ -387,25 +396,19 @@ print(json.dumps(answers))
     run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     answers = json.loads(run.stdout.strip().splitlines()[-1])
+    flashinfer = (
+        "hf_alibi: attention backend FLASHINFER stores the slopes and never applies them, so an ALiBi model would "
+        "run without its bias: on cpu run --attention-backend CPU_ATTN, or name none and hf_alibi's plugin pins "
+        "CPU_ATTN."
+    )
+    transformers_impl = (
+        "hf_alibi: AlibiLlamaForCausalLM is a converted ALiBi model, which vLLM's Transformers backend "
+        "(model_impl='transformers') would run without its bias: hf_alibi's plugin serves it with vLLM's default "
+        "model_impl, so leave --model-impl / model_impl unset (or 'auto')."
+    )
     assert answers[0] == ["ok", "CPU_ATTN"] and answers[1] == ["ok", "CPU_ATTN"]
-    assert (
-        answers[2][0] == "refused"
-        and (
-            "hf_alibi: attention backend FLASHINFER stores the slopes and never applies them, so an ALiBi model would "
-            "run without its bias: on cpu run --attention-backend CPU_ATTN, or name none and hf_alibi's plugin pins "
-            "CPU_ATTN."
-        )
-        in answers[2][1][0]
-    )
-    assert (
-        answers[3][0] == "refused"
-        and (
-            "hf_alibi: AlibiLlamaForCausalLM is a converted ALiBi model, which vLLM's Transformers backend "
-            "(model_impl='transformers') would run without its bias: hf_alibi's plugin serves it with vLLM's default "
-            "model_impl, so leave --model-impl / model_impl unset (or 'auto')."
-        )
-        in answers[3][1][0]
-    )
+    assert answers[2][0] == "refused" and flashinfer in answers[2][1][0]
+    assert answers[3][0] == "refused" and transformers_impl in answers[3][1][0]
     assert answers[4] == ["ok", "CPU_ATTN"]  # vLLM's own BLOOM: the same pin
     assert answers[5][0] == "refused" and "FLEX_ATTENTION raises on ALiBi slopes" in answers[5][1][0]
     assert answers[6] == ["ok", None]  # a model without ALiBi: vLLM's choice, untouched
@@ -467,7 +470,7 @@ def test_on_a_gpu_vllm_runs_a_backend_that_applies_the_slopes_with_the_transform
         (got,) = _run_engine(folder, tmp_path, rounds=1)
         for prompt, answer in zip(PROMPTS, got):
             reference = _reference(folder, prompt, answer["tokens"])
-            chosen = reference[torch.arange(len(answer["tokens"])), answer["tokens"]]
+            chosen = _chosen(reference, answer["tokens"])
             assert torch.allclose(chosen, torch.tensor(answer["logprobs"], dtype=torch.float64), atol=1e-3), prompt
     code = (
         "import sys, hf_alibi_boot.vllm; from vllm.plugins import load_general_plugins; load_general_plugins(); "
@@ -541,21 +544,13 @@ def _smollm2_gguf() -> Path | None:
     return found[0] if found else None
 
 
-def _greedy_with_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens for ``prompt`` and each one's log-probability, fp32."""
+def _greedy_with_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens for ``prompt`` and each one's log-probability (teacher-forced), fp32."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-def _logprobs_of(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """``model``'s log-probability of each of ``tokens`` after ``prompt`` (teacher-forced), fp32."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+                             do_sample=False)  # fmt: skip
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens, _chosen(_teacher_forced(model, prompt, tokens), tokens)
 
 
 @pytest.mark.vllm
@@ -609,9 +604,9 @@ def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformer
             answers = list(pool.map(ask, prompts))
     for prompt, (tokens, logprobs), answer in zip(prompts, expected, answers):
         assert answer.token_ids == tokens, len(prompt)
-        served = answer.logprobs.token_logprobs
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 2e-3, (len(prompt), served, logprobs)
+        served = torch.tensor(answer.logprobs.token_logprobs, dtype=torch.float64)
+        assert (served - logprobs).abs().max() <= 2e-3, (len(prompt), served, logprobs)
     # without the sink the same tokens read otherwise: a server that dropped the sink would fail the check above
     long_prompt, (long_tokens, long_logprobs) = prompts[-1], expected[-1]
-    unsunk = _logprobs_of(no_sink, long_prompt, long_tokens)
-    assert max(abs(a - b) for a, b in zip(unsunk, long_logprobs)) > 0.05
+    unsunk = _chosen(_teacher_forced(no_sink, long_prompt, long_tokens), long_tokens)
+    assert (unsunk - long_logprobs).abs().max() > 0.05
