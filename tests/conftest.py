@@ -12,6 +12,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 # Trainer-step tests ran about 9x slower with two). One thread here and, through the environment, in every
 # child process (run_child, run_python, the scripts), unless OMP_NUM_THREADS says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests assert the warnings a user sees at transformers' default verbosity (the notice that a resumed checkpoint
+# continues as ALiBi, the one warning docs/sharing.md quotes): a user's TRANSFORMERS_VERBOSITY=error would hide them
+# here and in every child process, so the suite runs at the default, whatever the shell sets.
+os.environ.pop("TRANSFORMERS_VERBOSITY", None)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -3,9 +3,10 @@ answers for a converted folder is what it answers.
 
 The blocks, in README's order (``test_every_block_is_run_or_named_here`` fails when one is added or goes):
 
-- ``pip install torch ...``: not run (installs); ``pip install torch ... run_clm.py``: not run (the main job, minutes:
-  tests/training/test_run_clm.py runs it small); ``pip install ... pytest``: not run (the whole default tier:
-  tests/test_docs.py checks it is CI's command);
+- ``pip install torch ...``: not run (installs); ``pip install torch ... run_clm.py``: not run here (the main job,
+  minutes: tests/training/test_main_job.py runs it as written in the slow tier, tests/training/test_run_clm.py runs
+  it small); ``pip install ... pytest``: not run (the whole default tier: tests/test_docs.py checks it is CI's
+  command);
 - the quickstart and the pretrained Python blocks: run in one namespace;
 - the ``hf-alibi`` block: each line run through the command's ``main()`` in the same folder, exit status 0.
 
