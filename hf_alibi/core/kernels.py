@@ -31,9 +31,9 @@ class Kernel:
     transformers makes for it (:data:`MERGED` kernels are handed the bias merged into it). ``forms``: the bias forms
     it renders; ``sinks``, ``rounding`` (a bias rounded per key, ``slopes.KeyRounding``), ``slopes`` (slopes other
     than the paper's: fitted, per-layer), ``packed`` (packed rows, one document each) and ``paged`` (continuous
-    batching's paged cache): whether it renders them. ``label``: how
-    a refusal names it. ``packages``: optional top-level imports it needs (inside a ``try`` block, which
-    transformers' ``check_imports`` skips). ``install``: what to install for it, said where it is missing.
+    batching's paged cache): whether it renders them. ``label``: how a refusal names it. ``packages``: optional
+    top-level imports it needs (inside a ``try`` block, which transformers' ``check_imports`` skips). ``install``: what
+    to install for it, said where it is missing.
     """
 
     name: str
@@ -128,8 +128,9 @@ def _instead(feature: str) -> str:
 
 def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None, paper_slopes: bool = True) -> str | None:
     """Why ``row``'s kernel cannot render a layer's bias (its form ``kind``, ``sinks``, its ``rounding``, whether its
-    slopes are the paper's), one line that says what to use instead; ``None`` when it can. Asked by the kernel before any work and, for the models
-    trained with ALiBi, by ``set_attn_implementation`` before the model is switched (``hf_alibi/native/model.py``).
+    slopes are the paper's), one line that says what to use instead; ``None`` when it can. Asked by the kernel before
+    any work and, for the models trained with ALiBi, by ``set_attn_implementation`` before the model is switched
+    (``hf_alibi/native/model.py``).
 
     >>> refusal(KERNEL_BY_NAME["flash_attention_2"], "causal", sinks=4)
     "flash-attn's ALiBi cannot exempt the first 4 keys (sinks): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
