@@ -22,7 +22,12 @@ step, and cached generation tokens/s (a prompt of L tokens, ``--new-tokens`` gre
   installed;
 - ``bias``: the ALiBi model forced onto the bias tensor (``set_attention_path(model, "bias")``);
 - ``flex``: the ALiBi model on ``flex_attention`` (``score_mod``, compiled by transformers);
-- ``flash``: the ALiBi model on ``flash_attention_2`` (flash-attn's ``alibi_slopes``), if installed.
+- ``flash``: the ALiBi model on ``flash_attention_2`` (flash-attn's ``alibi_slopes``), if installed;
+- ``cudnn``: the ALiBi model on ``cudnn`` (cuDNN's own fused ALiBi, ``set_attn_implementation("cudnn")``), if
+  nvidia-cudnn-frontend is installed (``.[cuda]``); it renders no KV cache, so its generation cell shows the refusal.
+
+``--dropout`` builds every model with its type's default dropouts (GPT-2's 0.1, attention dropout included) instead of
+none; the unpatched and ALiBi arms then train with the same dropout (an arm without it prints its refusal).
 
 For the native types the unpatched arms are transformers' own implementation (the reference hf_alibi must match).
 Arms are timed interleaved (one step of each, repeated), each figure the median of ``--repeats``, after ``--warmup``
@@ -55,7 +60,7 @@ from builders import build_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's hf_alibi, not another installed copy
 UNPATCHED = ("unpatched-flash", "unpatched-cudnn", "unpatched-efficient")
-ARMS = (*UNPATCHED, "auto", "fold-flash", "fold-cudnn", "fa4", "bias", "flex", "flash")
+ARMS = (*UNPATCHED, "auto", "fold-flash", "fold-cudnn", "fa4", "bias", "flex", "flash", "cudnn")
 FOLD_ENV = "HF_ALIBI_FOLD"  # hf_alibi.core.folded.FOLD_ENV (read here without importing torch-side code first)
 
 
@@ -63,6 +68,14 @@ def _flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
         from flash_attn import flash_attn_func  # noqa: F401  (flash-attn 2; flash-attn-4 ships flash_attn.cute only)
+    except ImportError:
+        return False
+    return True
+
+
+def _cudnn_frontend_installed() -> bool:
+    try:
+        import cudnn  # noqa: F401  (NVIDIA's nvidia-cudnn-frontend)
     except ImportError:
         return False
     return True
@@ -107,13 +120,13 @@ class Arm:
 
 def build_gpt2(max_len: int, args):
     shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
-    return build_model("gpt2", **shape, dropout=False)
+    return build_model("gpt2", **shape, dropout=args.dropout)
 
 
 def build_llama(max_len: int, args):
     shape = dict(layers=args.layers, heads=args.heads, width=args.width, positions=max_len, vocab=args.vocab)
     return build_model(
-        "llama", **shape, dropout=False, num_key_value_heads=max(1, args.heads // 3),
+        "llama", **shape, dropout=args.dropout, num_key_value_heads=max(1, args.heads // 3),
         intermediate_size=int(8 / 3 * args.width) // 64 * 64,
     )  # fmt: skip
 
@@ -149,6 +162,8 @@ def make_arm(arm: str, builder: Callable, max_len: int, args):
         return "flash-attn-4 not installed"
     if arm == "flash" and not _flash_attn_installed():
         return "flash-attn not installed"
+    if arm == "cudnn" and not _cudnn_frontend_installed():
+        return "nvidia-cudnn-frontend not installed (.[cuda])"
     model = builder(max_len, args)
     if arm in held:
         model = model.to(device="cuda", dtype=torch.bfloat16)
@@ -171,6 +186,8 @@ def make_arm(arm: str, builder: Callable, max_len: int, args):
         _backend(model, "flash_attention_4")
     elif arm == "flash":
         _backend(model, "flash_attention_2")
+    elif arm == "cudnn":
+        model.set_attn_implementation("cudnn")
     return Arm(model.to(device="cuda", dtype=torch.bfloat16), env=env)
 
 
@@ -328,6 +345,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dropout", action="store_true", help="the types' default dropouts (GPT-2: 0.1)")
     parser.add_argument("--no-main-job", dest="main_job", action="store_false")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -343,6 +361,7 @@ def main() -> None:
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"bf16, batch {args.batch}, {args.layers} layers, {args.heads} heads, width {args.width}, "
+        f"dropout {'the types defaults' if args.dropout else 'none'}, "
         f"cuDNN {torch.backends.cudnn.version()}, median of {args.repeats} (generation {args.gen_repeats}), "
         f"interleaved; "
         f"hf_alibi from {os.path.dirname(hf_alibi.__file__)}"

@@ -3,6 +3,7 @@
     python benchmarks/gpu_attention.py                              # bf16, 12 heads of 64, L = 1k / 4k / 16k, batch 1
     python benchmarks/gpu_attention.py --batch 8 --lengths 1024 4096
     python benchmarks/gpu_attention.py --device cpu --lengths 256   # the arms that run on the CPU (a dry run)
+    python benchmarks/gpu_attention.py --batch 8 --lengths 1024 4096 --dropout 0.1   # attention dropout in every arm
 
 benchmarks/gpu.py times whole training steps, where the attention kernel is one cost among the layers' matrix
 products, the fold's concatenations and the launches of a batch of 1. This script times the kernels themselves on
@@ -20,7 +21,12 @@ events), as a ratio of the fastest unpatched kernel at that length. Arms:
 - ``fold-cudnn``, ``fold-channel``: ``alibi_sdpa`` on the folded path in its cuDNN construction and its channel one
   (the latter run by SDPA's flash kernel at a head of 72, hence 96 wide);
 - ``fa4-plain``, ``fa4``: FlashAttention-4 causal with no ``score_mod`` and hf_alibi's ``alibi_flash_attention_4``
-  (the slope read from an aux tensor for every score), when flash-attn-4 is installed (Hopper or Blackwell).
+  (the slope read from an aux tensor for every score), when flash-attn-4 is installed (Hopper or Blackwell);
+- ``cudnn``: hf_alibi's ``alibi_cudnn`` (cuDNN's own fused ALiBi through nvidia-cudnn-frontend, ``.[cuda]``), when the
+  frontend is installed.
+
+``--dropout P`` gives every arm attention dropout P (the unpatched ones ``dropout_p``, the ALiBi ones a training
+layer's ``dropout``); an arm that has none (FlashAttention-4) prints its refusal.
 
 An arm that cannot run prints why in place of its figures. ``--device cpu`` runs the arms that need no CUDA kernel
 (a check of this script, not a measurement).
@@ -47,8 +53,8 @@ from hf_alibi.core.folded import FOLD_ENV  # noqa: E402
 
 PLAIN = {"plain-cudnn": SDPBackend.CUDNN_ATTENTION, "plain-flash": SDPBackend.FLASH_ATTENTION}
 PLAIN["plain-efficient"] = SDPBackend.EFFICIENT_ATTENTION
-ARMS = (*PLAIN, "plain-cudnn-72", "bias-kernel", "bias", "fold-cudnn", "fold-channel", "fa4-plain", "fa4")
-CUDA_ONLY = ("plain-cudnn", "plain-efficient", "plain-cudnn-72", "fold-cudnn", "fa4-plain", "fa4")
+ARMS = (*PLAIN, "plain-cudnn-72", "bias-kernel", "bias", "fold-cudnn", "fold-channel", "fa4-plain", "fa4", "cudnn")
+CUDA_ONLY = ("plain-cudnn", "plain-efficient", "plain-cudnn-72", "fold-cudnn", "fa4-plain", "fa4", "cudnn")
 
 
 class Layer(nn.Module):
@@ -60,8 +66,8 @@ class Layer(nn.Module):
         self.is_causal = True
 
 
-def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callable | str:
-    """A function of (q, k, v) -> output for this arm, or why it cannot run here."""
+def make_arm(arm: str, heads: int, length: int, device: torch.device, dropout: float = 0.0) -> Callable | str:
+    """A function of (q, k, v) -> output for this arm (with attention dropout ``dropout``), or why it cannot run."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import hf_alibi  # noqa: F401  (registers alibi_sdpa and alibi_flash_attention_4)
@@ -73,7 +79,7 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
 
         def plain(q, k, v):
             with sdpa_kernel([kernel]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
         return plain
     if arm == "plain-cudnn-72":
@@ -82,14 +88,19 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
             pad = q.new_zeros(*q.shape[:-1], 8)
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(
-                    torch.cat([q, pad], -1), torch.cat([k, pad], -1), v, is_causal=True, scale=q.shape[-1] ** -0.5
+                    torch.cat([q, pad], -1),
+                    torch.cat([k, pad], -1),
+                    v,
+                    is_causal=True,
+                    scale=q.shape[-1] ** -0.5,
+                    dropout_p=dropout,
                 )
 
         return wide
     if arm == "bias-kernel":
         mask = Layer(heads, "bias").alibi(length, length, device, torch.finfo(torch.bfloat16).min)
         mask = mask.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # q's dtype already
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     if arm in ("fa4-plain", "fa4"):
         from hf_alibi.core.fa4 import fa4_kernels  # the one place that finds FlashAttention-4
 
@@ -105,10 +116,25 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
         run = ALL_ATTENTION_FUNCTIONS["alibi_flash_attention_4"]
 
         def fa4(q, k, v):
-            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5)[0]
+            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
 
         fa4.layer = layer
         return fa4
+    if arm == "cudnn":
+        from hf_alibi.core.cudnn import cudnn_frontend  # the one place that finds the cuDNN frontend
+
+        try:
+            cudnn_frontend(device)
+        except ImportError:
+            return "nvidia-cudnn-frontend not installed (.[cuda])"
+        layer = Layer(heads, "auto").to(device).train()
+        run = ALL_ATTENTION_FUNCTIONS["alibi_cudnn"]
+
+        def cudnn(q, k, v):
+            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
+
+        cudnn.layer = layer
+        return cudnn
     path = "bias" if arm == "bias" else "folded"
     layer = Layer(heads, path).to(device).train()
     run = ALL_ATTENTION_FUNCTIONS["alibi_sdpa"]
@@ -119,7 +145,7 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device) -> Callabl
         if construction is not None:
             os.environ[FOLD_ENV] = construction
         try:
-            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=0.0)[0]
+            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
         finally:  # the user's own setting back, for the next arm
             if saved is None:
                 os.environ.pop(FOLD_ENV, None)
@@ -161,7 +187,7 @@ def run_length(length: int, args, device: torch.device, dtype: torch.dtype) -> N
     arms: dict[str, Callable | str] = {}
     for arm in args.arms:
         try:
-            arms[arm] = make_arm(arm, args.heads, length, device)
+            arms[arm] = make_arm(arm, args.heads, length, device, args.dropout)
         except Exception as error:  # noqa: BLE001  (one arm's failure must not end the table)
             arms[arm] = f"{type(error).__name__}: {str(error).splitlines()[0][:70]}"
     times: dict[str, list | str] = {arm: [] if callable(fn) else fn for arm, fn in arms.items()}
@@ -183,8 +209,9 @@ def run_length(length: int, args, device: torch.device, dtype: torch.dtype) -> N
     medians = {arm: statistics.median(t) if isinstance(t, list) else t for arm, t in times.items()}
     plain = {arm: ms for arm, ms in medians.items() if arm in PLAIN and not isinstance(ms, str)}
     best = min(plain, key=plain.get) if plain else None
-    print(f"\nL={length} batch={args.batch} heads={args.heads} head_dim={args.head_dim} {dtype}, forward+backward, "
-          f"median of {args.repeats}; baseline: {best or 'none ran'}")  # fmt: skip
+    print(f"\nL={length} batch={args.batch} heads={args.heads} head_dim={args.head_dim} {dtype}, "
+          f"dropout {args.dropout}, forward+backward, median of {args.repeats}; "
+          f"baseline: {best or 'none ran'}")  # fmt: skip
     print(f"{'arm':<16}{'ms':>10}{'ratio':>8}  path")
     for arm, ms in medians.items():
         if isinstance(ms, str):
@@ -204,6 +231,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout in every arm")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)

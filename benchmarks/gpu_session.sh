@@ -21,6 +21,13 @@
 #    attention (carry [".whl/a"], ~3 min): every GPU test but FA4's, gpu_attention.py's SDPA arms, gpu.py at batch 8;
 #    attention_fa4 (carry [".whl/b"], within the warmth, ~2 min): FA4's tests, FA4 with and without its score_mod;
 #    batch (carry [".whl/c"]: transformers and run_clm's needs the image lacks, for the FSDP launches; ~3 min).
+# cuDNN's own fused ALiBi (issue 54, attn_implementation "cudnn"), two calls:
+#        bash benchmarks/gpu_session.sh prepare_cudnn     # here: .whl/d/ (nvidia-cudnn-frontend, transformers; 25 MB)
+#        bash benchmarks/gpu_session.sh cudnn             # device (carry [".whl/d"], timeout_s 420; at most 6 minutes)
+#    its GPU tests against float64, one attention call against the unpatched kernels (with and without dropout), and
+#    training steps of GPT-2 and Llama at 8 x 1k, 8 x 4k, 1 x 16k against the fastest unpatched kernel, no dropout;
+#        bash benchmarks/gpu_session.sh cudnn_dropout     # device (carry [".whl/d"], timeout_s 240; at most 3 minutes)
+#    the same training steps with the types' default dropouts (GPT-2's 0.1).
 # Everything is teed to $OUT/gpu_session_<step>.log; each step runs under its own time limit, so a cut step reports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +59,12 @@ prepare() {
     mkdir -p .whl/c && cp .whl/a/transformers-*.whl .whl/c/  # the batch call: run_clm's needs the image lacks
     download .whl/c "${RUN_CLM_WHEELS[@]}" || exit 1
     du -sh .whl/a .whl/b .whl/c
+}
+
+prepare_cudnn() {  # the frontend's graph API runs without its declared nvidia-cutlass-dsl (issue 54): --no-deps
+    rm -rf .whl/d && mkdir -p .whl/d && echo '*' > .whl/.gitignore
+    download .whl/d "nvidia-cudnn-frontend==1.32.0" "transformers==5.24.0" || exit 1
+    du -sh .whl/d
 }
 
 SITE=/tmp/site
@@ -199,6 +212,44 @@ batch() {  # the automatic choice counting the batch (carry [".whl/c"]: transfor
     } 2>&1 | tee "$OUT/gpu_session_batch.log"
 }
 
+cudnn_steps() {  # gpu.py's training steps at the issue's shapes: auto and cudnn against the unpatched kernels
+    timeout 100 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
+        --new-tokens 8 --no-main-job --types gpt2 llama --arms auto cudnn "$@"
+    timeout 60 python3 benchmarks/gpu.py --batch 1 --lengths 16384 --repeats 3 --gen-repeats 1 \
+        --new-tokens 8 --no-main-job --types gpt2 llama --arms auto cudnn "$@"
+}
+
+cudnn() {  # issue 54: cuDNN's fused ALiBi checked against float64 and timed (carry [".whl/d"], timeout_s 420)
+    environment
+    install .whl/d/*.whl || echo "wheel install failed: the cudnn arms will say why"
+    {
+        describe
+        python3 -c "import cudnn; print('nvidia-cudnn-frontend', cudnn.__version__, 'cuDNN', cudnn.backend_version())" \
+            2>&1 | tail -1
+        echo "== pytest -m gpu: cuDNN's fused ALiBi against float64 (tests/core/test_gpu_cudnn.py)"
+        timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/core/test_gpu_cudnn.py 2>&1 | tail -25
+        echo "== benchmarks/gpu_attention.py: one attention call, forward + backward, no dropout and dropout 0.1"
+        for dropout in 0 0.1; do
+            timeout 30 python3 benchmarks/gpu_attention.py --batch 8 --lengths 1024 2048 4096 --dropout $dropout \
+                --arms plain-cudnn plain-flash plain-efficient fold-cudnn cudnn
+            timeout 30 python3 benchmarks/gpu_attention.py --lengths 4096 16384 --dropout $dropout \
+                --arms plain-cudnn plain-flash plain-efficient fold-cudnn cudnn
+        done
+        echo "== benchmarks/gpu.py: GPT-2, Llama training steps at 8 x 1k, 8 x 4k, 1 x 16k, no dropout"
+        cudnn_steps
+    } 2>&1 | tee "$OUT/gpu_session_cudnn.log"
+}
+
+cudnn_dropout() {  # issue 54, the same steps with the types' default dropouts (carry [".whl/d"], timeout_s 240)
+    environment
+    install .whl/d/*.whl || echo "wheel install failed: the cudnn arms will say why"
+    {
+        describe
+        echo "== benchmarks/gpu.py: GPT-2, Llama training steps at 8 x 1k, 8 x 4k, 1 x 16k, default dropouts"
+        cudnn_steps --dropout
+    } 2>&1 | tee "$OUT/gpu_session_cudnn_dropout.log"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     part1) part1 ;;
@@ -207,6 +258,10 @@ case "${1:-}" in
     attention) attention ;;
     attention_fa4) attention_fa4 ;;
     batch) batch ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh prepare | part1 | part2 | choice | attention | attention_fa4 | batch"
+    prepare_cudnn) prepare_cudnn ;;
+    cudnn) cudnn ;;
+    cudnn_dropout) cudnn_dropout ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh prepare | part1 | part2 | choice | attention | attention_fa4 | batch" \
+            "| prepare_cudnn | cudnn | cudnn_dropout"
        echo "(see the comment at its top)"; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation, update_paged_cache_in_attention
+from .cudnn import cudnn_alibi_attention
 from .denormals import bracket, flushed
 from .dense import eager_attention_forward, sdpa_attention_forward
 from .fa4 import fa4_alibi_attention
@@ -32,7 +33,7 @@ from .flash import flash_alibi_attention
 from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .forward import forward_of
-from .kernels import KERNELS, MERGED, RUNNING_BACKENDS, WHAT_RUNS, check_backend, paged_refusal
+from .kernels import KERNELS, MERGED, PADDING, RUNNING_BACKENDS, WHAT_RUNS, check_backend, paged_refusal
 from .mask import bias_mask, packed_causal_mask, shared_mask
 from .names import FOREIGN, alibi_name
 from .slopes import CAUSAL
@@ -232,6 +233,16 @@ def _foreign_mask(*args, config=None, **kwargs):
     _refuse_foreign(config)  # transformers makes the mask before the first attention layer runs
 
 
+def _alibi_only(label: str, name: str) -> Callable:
+    def forward(*args, **kwargs):
+        raise ValueError(
+            f"attn_implementation={name!r} is {label}, hf_alibi's kernel for ALiBi layers: this layer has no ALiBi "
+            "(a model not converted by hf_alibi, or cross-attention): use model.set_attn_implementation('sdpa')."
+        )
+
+    return forward
+
+
 def _unsupported_backend(name: str) -> Callable:
     def forward(*args, **kwargs):
         raise NotImplementedError(
@@ -246,6 +257,7 @@ def _unsupported_backend(name: str) -> Callable:
 # imports are what make save_pretrained copy the kernels' files (transformers follows relative imports)
 _IMPORTED = (
     eager_attention_forward, sdpa_attention_forward, flex_alibi_attention, flash_alibi_attention, fa4_alibi_attention,
+    cudnn_alibi_attention,
 )  # fmt: skip
 FUNCTIONS: dict[str, Callable] = {
     row.name: {function.__name__: function for function in _IMPORTED}[row.function] for row in KERNELS if row.runs
@@ -270,7 +282,14 @@ def register_backends() -> None:
         else:
             AttentionInterface.register(alibi_name(name), make_native_attention(FUNCTIONS[name], name))
         mask = base_mask_function(name)
+        if mask is None and row.mask == PADDING:  # a kernel transformers does not know (cudnn): its flash mask
+            mask = base_mask_function("flash_attention_2")
         if mask is not None or row.mask == MERGED:
             AttentionMaskInterface.register(alibi_name(name), mask)
+        if row.runs and name not in ALL_ATTENTION_FUNCTIONS.valid_keys() and name != "eager":
+            # its plain name, so that transformers' setter and from_pretrained accept it for a converted model (whose
+            # config reports alibi_<name>); a model without ALiBi, or a layer without it, is refused in one line
+            AttentionInterface.register(name, _alibi_only(row.label, name))
+            AttentionMaskInterface.register(name, mask)
     AttentionInterface.register(alibi_name(FOREIGN), _foreign_backend)
     AttentionMaskInterface.register(alibi_name(FOREIGN), _foreign_mask)

@@ -29,10 +29,11 @@ class Kernel:
     ``name``: transformers' ``attn_implementation``. ``function``: the ALiBi function's name, defined in the kernel's
     file and imported by ``dispatch.py`` (``None``: the name is known and refused when called). ``mask``: the mask
     transformers makes for it (:data:`MERGED` kernels are handed the bias merged into it). ``forms``: the bias forms
-    it renders; ``sinks``, ``rounding`` (a bias rounded per key, ``slopes.KeyRounding``), ``packed`` (packed rows,
-    one document each) and ``paged`` (continuous batching's paged cache): whether it renders them. ``label``: how
-    a refusal names it. ``packages``: optional top-level imports it needs (inside a ``try`` block, which
-    transformers' ``check_imports`` skips). ``install``: what to install for it, said where it is missing.
+    it renders; ``sinks``, ``rounding`` (a bias rounded per key, ``slopes.KeyRounding``), ``slopes`` (slopes other
+    than the paper's: fitted, per-layer), ``packed`` (packed rows, one document each) and ``paged`` (continuous
+    batching's paged cache): whether it renders them. ``label``: how a refusal names it. ``packages``: optional
+    top-level imports it needs (inside a ``try`` block, which transformers' ``check_imports`` skips). ``install``: what
+    to install for it, said where it is missing.
     """
 
     name: str
@@ -41,6 +42,7 @@ class Kernel:
     forms: tuple[str, ...] = _ALL_FORMS
     sinks: bool = True
     rounding: bool = True
+    slopes: bool = True
     packed: bool = True
     paged: bool = False
     label: str = ""
@@ -79,6 +81,19 @@ KERNELS: tuple[Kernel, ...] = (
         packages=("flash_attn", "cutlass"),
         install="pip install flash-attn-4==4.0.0b36, or pip install -e '.[fa4]' in a checkout of hf_alibi",
     ),  # fmt: skip
+    Kernel(
+        "cudnn",
+        "cudnn_alibi_attention",
+        mask=PADDING,
+        forms=("causal",),
+        sinks=False,
+        rounding=False,
+        slopes=False,
+        packed=False,
+        label="cuDNN's fused ALiBi",
+        packages=("cudnn",),
+        install="pip install nvidia-cudnn-frontend, or pip install -e '.[cuda]' in a checkout of hf_alibi",
+    ),  # fmt: skip
 )
 KERNEL_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 # transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known by
@@ -111,10 +126,11 @@ def _instead(feature: str) -> str:
     return f"use model.set_attn_implementation('sdpa'){alternatives} for this model"
 
 
-def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None) -> str | None:
-    """Why ``row``'s kernel cannot render a layer's bias (its form ``kind``, ``sinks``, its ``rounding``), one line
-    that says what to use instead; ``None`` when it can. Asked by the kernel before any work and, for the models
-    trained with ALiBi, by ``set_attn_implementation`` before the model is switched (``hf_alibi/native/model.py``).
+def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None, paper_slopes: bool = True) -> str | None:
+    """Why ``row``'s kernel cannot render a layer's bias (its form ``kind``, ``sinks``, its ``rounding``, whether its
+    slopes are the paper's), one line that says what to use instead; ``None`` when it can. Asked by the kernel before
+    any work and, for the models trained with ALiBi, by ``set_attn_implementation`` before the model is switched
+    (``hf_alibi/native/model.py``).
 
     >>> refusal(KERNEL_BY_NAME["flash_attention_2"], "causal", sinks=4)
     "flash-attn's ALiBi cannot exempt the first 4 keys (sinks): use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model."
@@ -130,14 +146,16 @@ def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None) -> str | None
             f"{row.label} cannot round each key's bias to {dtype} as this model's own code does (Falcon): "
             f"{_instead('rounding')}."
         )
+    if not paper_slopes and not row.slopes:
+        return f"{row.label} applies the paper's slopes only, not fitted or per-layer ones: {_instead('slopes')}."
     return None
 
 
 def kernel_refusal(name: str | None, alibi) -> str | None:
     """:func:`refusal` for backend ``name`` (``None`` for a name the table does not know) and a layer's ``AlibiBias``
-    (its ``kind``, ``sinks``, ``rounding``)."""
+    (its ``kind``, ``sinks``, ``rounding``, and whether its slopes are the paper's)."""
     row = kernel(name)
-    return None if row is None else refusal(row, alibi.kind, alibi.sinks, alibi.rounding)
+    return None if row is None else refusal(row, alibi.kind, alibi.sinks, alibi.rounding, alibi.spec.paper_slopes)
 
 
 def paged_refusal(name: str | None) -> str | None:

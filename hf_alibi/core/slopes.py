@@ -196,6 +196,15 @@ class BiasSpec:
         """Whether the bias is ``-m |i - j|`` alone (no sinks, no rounding): placed by no row start."""
         return not self.sinks and self.rounding is None
 
+    @property
+    def paper_slopes(self) -> bool:
+        """Whether the slopes are the paper's for this many heads (:func:`get_slopes_list`), not fitted or set.
+
+        >>> BiasSpec("causal", (0.0625, 0.00390625)).paper_slopes, BiasSpec("causal", (0.5, 0.25)).paper_slopes
+        (True, False)
+        """
+        return self.slopes == tuple(get_slopes_list(len(self.slopes)))
+
 
 def row_positions(
     q_len: int, kv_len: int, starts: torch.Tensor | None, end: int | None, device: torch.device | str | None = None

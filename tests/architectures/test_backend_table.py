@@ -23,6 +23,7 @@ FLAGS = {
     "flex_attention": "_supports_flex_attn",
     "flash_attention_2": "_supports_flash_attn",
     "flash_attention_4": "_supports_flash_attn",
+    "cudnn": None,  # hf_alibi's own name (dispatch.register_backends): transformers takes it for every model
 }
 
 

@@ -41,7 +41,7 @@ def test_registration_follows_the_rows():
             with pytest.raises(NotImplementedError, match=f"no ALiBi path for attn_implementation='{row.name}'"):
                 registered(None, None, None, None, None)
     assert names.RUNNING_BACKENDS == RUNNING_BACKENDS == ("eager", "sdpa", "flex_attention", "flash_attention_2",
-                                                           "flash_attention_4")  # fmt: skip
+                                                           "flash_attention_4", "cudnn")  # fmt: skip
     assert REFUSED_BACKENDS == ("flash_attention_3",) and PAGED_BACKENDS == ("eager", "sdpa")
 
 
@@ -64,6 +64,10 @@ def test_a_refusal_names_what_renders_the_feature_instead():
     assert sinks.endswith("use model.set_attn_implementation('sdpa') (or 'eager', 'flex_attention') for this model.")
     assert "flash_attention_4" not in sinks
     assert "bfloat16" in refusal(KERNEL_BY_NAME["flash_attention_4"], "causal", rounding=KeyRounding("bfloat16"))
+    # fitted or per-layer slopes: only cuDNN's row applies the paper's alone; every other running kernel is offered
+    fitted = refusal(KERNEL_BY_NAME["cudnn"], "causal", paper_slopes=False)
+    assert fitted.endswith("(or 'eager', 'flex_attention', 'flash_attention_2', 'flash_attention_4') for this model.")
+    assert all(refusal(k, "causal", paper_slopes=False) is None for k in KERNELS if k.name != "cudnn")
     assert all(
         refusal(KERNEL_BY_NAME[n], k) is None for n in ("eager", "sdpa", "flex_attention") for k in names.BIAS_KINDS
     )
