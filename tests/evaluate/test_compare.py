@@ -313,3 +313,34 @@ def test_the_table_names_the_first_model_as_the_ratios_base(pair, tmp_path):
     a, b = (m["perplexity"]["nonoverlapping"]["16"]["perplexity"] for m in results["models"])
     assert row.split() == ["ppl@16", "nonoverlapping", f"{a:.3f}", f"{b:.3f}", f"{b / a:.3f}"]
     assert "by_position" not in results["models"][0] and results["position"]["bounds"] == []
+
+
+def test_the_text_comes_from_a_file_a_datasets_name_or_the_embedded_corpus(tmp_path):
+    from hf_alibi.data import embedded_corpus
+    from hf_alibi.evaluate.comparison import read_text
+
+    (tmp_path / "notes.txt").write_text("some notes")
+    assert read_text(tmp_path / "notes.txt") == "some notes"
+    data = tmp_path / "data"
+    data.mkdir()  # a local dataset folder, as datasets.load_dataset reads one: a split per file
+    (data / "validation.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ("one", "two")))
+    assert read_text(dataset=str(data)) == "one\n\ntwo"
+    with pytest.raises(compare_module.CompareError, match="has no 'text' column"):
+        (data / "validation.jsonl").write_text(json.dumps({"words": "x"}) + "\n")
+        read_text(dataset=str(data))
+    assert read_text() == "".join(embedded_corpus()["validation"]["text"])
+
+
+def test_each_models_native_length_comes_from_its_config_its_training_or_its_original(pair, tmp_path):
+    from hf_alibi.evaluate.comparison import model_lengths
+
+    original = json.loads((pair["original"] / "config.json").read_text())
+    converted = json.loads((pair["converted"] / "config.json").read_text())
+    trained = tmp_path / "trained"  # a run_clm.py --alibi output: its training length in eval_results.json
+    trained.mkdir()
+    (trained / "eval_results.json").write_text(json.dumps({"train_length": 128}))
+    facts = model_lengths({"o": original, "c": converted, "t": converted}, {"t": str(trained)})
+    assert facts["o"] == {"native": NATIVE, "limit": NATIVE, "alibi": False}
+    assert facts["c"] == {"native": NATIVE, "limit": None, "alibi": True}  # its original's, among the models
+    assert facts["t"]["native"] == 128
+    assert model_lengths({"c": converted}, {})["c"]["native"] is None  # no original given: not marked
