@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """A pretrained causal LM converted to ALiBi, against the original and YaRN: one command, one table.
 
-For each arm (the original; YaRN x2, x4 without training; each conversion, before and after N recovery
+The measurements are hf_alibi.evaluate's, as ``hf-alibi compare`` makes them on saved folders (docs/pretrained.md);
+this script adds the arms it builds in memory from one checkpoint: YaRN, conversions with any options, fitted slopes,
+recovery. For each arm (the original; YaRN x2, x4 without training; each conversion, before and after N recovery
 steps), on the checkpoint folder's own text:
 
 - perplexity on non-overlapping windows of each ``--lengths`` over the first ``--eval_tokens`` tokens;
@@ -26,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
-import re
 import sys
 import tempfile
 import time
@@ -36,18 +35,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from builders import build_model
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_alibi
 from hf_alibi.checkpoints import read_config
 from hf_alibi.core.settings import conversion_options
-from hf_alibi.positions import original_length
+from hf_alibi.evaluate.comparison import measure_model
+from hf_alibi.evaluate.passkey import NEW_TOKENS
+from hf_alibi.evaluate.stream import position_bounds, short
+from hf_alibi.positions import original_length, position_limit
 from hf_alibi.recover import recover
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-QUESTION = " What is the pass key? The pass key is"
 DEFAULT_ARMS = ("original", "yarn:2", "yarn:4", "paper", "pretrained")
 # an arm's keys: the conversion options as declared (but slopes: its commas are the arm's separators), and these
 ARM_OPTIONS = {
@@ -190,98 +189,25 @@ def quick_setup(folder: str) -> Text:
 # ---------------------------------------------------------------- measurements
 
 
-@torch.no_grad()
-def window_ppl(model, ids: torch.Tensor, length: int, batch_tokens: int = 4096) -> tuple[float, int]:
-    """Perplexity over non-overlapping windows of ``length`` (every window's tokens after its first)."""
-    n = ids.numel() // length
-    if n < 1:
-        raise SystemExit(f"--eval_tokens {ids.numel()} is shorter than the length {length}: raise it.")
-    windows = ids[: n * length].view(n, length)  # (N, L)
-    total, count = 0.0, 0
-    step = max(1, batch_tokens // length)
-    for i in range(0, n, step):
-        x = windows[i : i + step]
-        logits = model(input_ids=x).logits[:, :-1].float()  # (B, L-1, V)
-        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
-        count += x[:, 1:].numel()
-    return math.exp(total / count), windows.numel()
-
-
-@torch.no_grad()
-def position_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Per-token NLL of ``ids[1:]`` over one stream, fed ``chunk`` queries at a time with the KV cache."""
-    cache = DynamicCache(config=model.config)
-    nll = torch.empty(ids.numel() - 1)
-    for start in range(0, ids.numel() - 1, chunk):
-        x = ids[start : start + chunk][None]  # (1, q)
-        positions = torch.arange(start, start + x.shape[1])[None]
-        out = model(input_ids=x, past_key_values=cache, use_cache=True, position_ids=positions)
-        cache = out.past_key_values
-        target = ids[start + 1 : start + chunk + 1]
-        nll[start : start + target.numel()] = F.cross_entropy(
-            out.logits[0, : target.numel()].float(), target, reduction="none"
-        )
-    return nll
-
-
-def by_position(nll: torch.Tensor, bounds: list[int]) -> dict[str, float]:
-    """Perplexity of the tokens predicted at positions [a, b) for each consecutive pair of ``bounds``."""
-    out = {}
-    for a, b in zip(bounds, bounds[1:]):
-        if a < nll.numel():
-            out[f"{_k(a)}-{_k(b)}"] = math.exp(nll[a : min(b, nll.numel())].mean().item())
-    return out
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 and n else str(n)
-
-
-def passkey_prompt(text: Text, length: int, depth: float, key: int) -> list[int]:
-    """``length`` tokens of filler with the needle at ``depth`` (0: start, 1: end), then the question."""
-    needle = text.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = text.encode(QUESTION)
-    body = length - len(needle) - len(question)
-    if body < 1:
-        raise SystemExit(
-            f"--passkey_lengths {length} is too short for the prompt ({len(needle) + len(question)} tokens)."
-        )
-    filler = text.encode(FILLER)
-    filler = filler * (body // len(filler) + 1)
-    cut = int(body * depth)
-    return filler[:cut] + needle + filler[cut:body] + question
-
-
-@torch.no_grad()
-def passkey(model, text: Text, length: int, depths: list[float], seed: int = 0) -> tuple[int, int]:
-    """Hits out of ``len(depths)``: the first 5-digit number in 8 greedy tokens equals the key."""
-    rng = random.Random(seed + length)
-    hits, tokens = 0, 0
-    for depth in depths:
-        key = rng.randint(10000, 99999)
-        x = torch.tensor([passkey_prompt(text, length, depth, key)])
-        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False, pad_token_id=pad)
-        found = re.findall(r"\d{5}", text.decode(out[0, x.shape[1] :].tolist()).replace(" ", ""))
-        hits += bool(found) and found[0] == str(key)
-        tokens += out.numel()
-    return hits, tokens
-
-
 def measure(model, text: Text, args, bounds: list[int]) -> dict:
-    """Every figure of one row, with the tokens it processed and the seconds it took."""
-    row, tokens, start = {}, 0, time.perf_counter()
-    for length in args.lengths:
-        row[f"ppl@{length}"], n = window_ppl(model, text.ids[: args.eval_tokens], length)
-        tokens += n
-    if args.position_tokens:
-        nll = position_nll(model, text.ids[: args.position_tokens], args.chunk)
-        row.update(by_position(nll, bounds))
-        tokens += nll.numel() + 1
-    for length in args.passkey_lengths:
-        hits, n = passkey(model, text, length, args.depths)
-        row[f"passkey@{_k(length)}"] = f"{hits}/{len(args.depths)}"
-        tokens += n
+    """Every figure of one row (hf_alibi.evaluate's, as ``hf-alibi compare`` measures them), with the tokens it
+    processed and the seconds it took."""
+    start = time.perf_counter()
+    stream = text.ids[: args.position_tokens + 1] if args.position_tokens else None
+    figures = measure_model(
+        model, text.ids[: args.eval_tokens + 1], stream, {"limit": position_limit(model)}, args.lengths,
+        ("nonoverlapping",), None, 4096, args.chunk, bounds, args.passkey_lengths, args.depths, text.encode,
+        text.decode,
+    )  # fmt: skip
+    row, tokens = {}, 0
+    for length, entry in figures["perplexity"]["nonoverlapping"].items():
+        row[f"ppl@{length}"] = entry.get("perplexity", entry.get("error"))
+        tokens += entry.get("tokens", 0)
+    row.update({name: ppl for name, ppl in figures.get("by_position", {}).items() if ppl is not None})
+    tokens += stream.numel() - 1 if stream is not None else 0
+    for length, entry in figures["passkey"].items():
+        row[f"passkey@{short(int(length))}"] = f"{entry['hits']}/{entry['of']}" if "hits" in entry else ""
+        tokens += (int(length) + NEW_TOKENS) * len(args.depths)
     row["tokens"], row["seconds"] = tokens, round(time.perf_counter() - start, 1)
     return row
 
@@ -416,7 +342,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{folder}: its config states no maximum length (max_position_embeddings).")
     if args.position_tokens is None:
         args.position_tokens = 2 * native
-    bounds = args.bounds or [0] + [native * k // 8 for k in (1, 2, 4, 8, 16)]
+    bounds = args.bounds or position_bounds(native, args.position_tokens)
     need = max(args.eval_tokens, args.position_tokens)
     if text.ids.numel() < need:
         raise SystemExit(f"The text has {text.ids.numel()} tokens; the evaluation needs {need}: lower the settings.")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from builders import build_model
 
 from hf_alibi.data import default_cache_dir, embedded_corpus, embedded_tokenizer
-from hf_alibi.evaluation import evaluate_perplexity
+from hf_alibi.evaluate import evaluate_perplexity
 from hf_alibi.recover import mean_pooled, recover
 
 MODELS = ("bert", "gpt2", "gpt_neox")

@@ -167,6 +167,36 @@ print("\n".join(line[line.index("> ") + 2 :] for line in result.stdout.splitline
 assert result.returncode == 0, result.stderr[-2000:]
 
 # %% [markdown]
+# ## What the conversion kept: `hf-alibi compare`
+#
+# `hf-alibi compare ORIGINAL CONVERTED ...` measures the models on the same tokens: perplexity at each length,
+# perplexity by position along one stream (through the KV cache), passkey retrieval. It prints one table (each figure
+# and its ratio to the first model's), and writes `compare.json` (every figure) and `compare.png`. The original
+# GPT-2 cannot run past its 32 learned positions: its row says why instead of a number. (Passkey retrieval needs
+# digits, which this word-level tokenizer lacks: `--passkey-lengths` with no length leaves it out.)
+
+# %%
+import random
+
+rng = random.Random(0)
+text = work / "text.txt"
+text.write_text(" ".join(f"w{rng.randint(1, 99)}" for _ in range(2000)))
+report = work / "compare"
+compare_args = ["--text", text, "--lengths", 16, 32, 64, 128, "--max-tokens", 512, "--passkey-lengths"]
+assert hf_alibi_cli("compare", src, out, *compare_args, "--out", report) == 0
+results = json.loads((report / "compare.json").read_text())
+print({m["label"]: m["perplexity"]["nonoverlapping"]["128"] for m in results["models"]})
+
+# %% [markdown]
+# The plot: perplexity against length (left) and by position along the stream (right), each model's native length
+# dotted. From Python, `hf_alibi.evaluate.compare([...])` returns the same figures.
+
+# %%
+from IPython.display import Image
+
+Image(filename=str(report / "compare.png"))
+
+# %% [markdown]
 # ## Pushing to the Hub
 #
 # ```bash

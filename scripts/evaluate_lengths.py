@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_alibi  # noqa: F401  (registers the ALiBi model types, so ALiBi checkpoints load)
 from hf_alibi.data import embedded_corpus
-from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
+from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ from hf_alibi.distributed import (
     is_fsdp2,
     unsharded_copy,
 )
-from hf_alibi.evaluation import evaluate_lengths, format_table, plot_results
+from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
 from hf_alibi.gguf import OUTTYPES, check_exportable
 from hf_alibi.positions import original_length
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind

@@ -1,13 +1,12 @@
-"""benchmarks/pretrained.py: its measurements against plain references written here, and --quick end to end."""
+"""benchmarks/pretrained.py: its arms (parsing, fitted slopes, YaRN, recovery) and --quick end to end. Its measurements
+are hf_alibi.evaluate's, tested against references in tests/evaluate/test_compare.py."""
 
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
@@ -32,53 +31,6 @@ def _llama(seed=0):
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config).eval()
-
-
-def _reference_nll(model, ids):
-    with torch.no_grad():
-        logits = model(input_ids=ids[None]).logits[0, :-1]  # one forward over the whole stream
-    return F.cross_entropy(logits, ids[1:], reduction="none")
-
-
-@pytest.mark.parametrize("convert", [None, {}, {"preset": "pretrained"}])
-def test_chunked_stream_with_cache_equals_one_forward(convert):
-    model = _llama()
-    if convert is not None:
-        hf_alibi.patch_model(model, **convert)
-    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(1))
-    chunked = bench.position_nll(model, ids, chunk=16)  # 16 + 16 + 16 + 16 + 6, past the native 32
-    torch.testing.assert_close(chunked, _reference_nll(model, ids), atol=1e-4, rtol=1e-4)
-
-
-def test_window_ppl_is_the_mean_over_separate_windows():
-    model = _llama()
-    ids = torch.randint(0, 97, (53,), generator=torch.Generator().manual_seed(2))
-    ppl, tokens = bench.window_ppl(model, ids, 16, batch_tokens=16)  # 3 windows, one per forward; 5 left over
-    nll = torch.cat([_reference_nll(model, ids[i : i + 16]) for i in (0, 16, 32)])
-    assert tokens == 48
-    assert ppl == pytest.approx(math.exp(nll.mean().item()), rel=1e-5)
-
-
-def test_by_position_takes_each_range_mean():
-    nll = torch.tensor([0.0] * 4 + [1.0] * 4 + [2.0, 4.0] * 6)  # 20 positions
-    out = bench.by_position(nll, [0, 4, 8, 16, 32])
-    assert list(out) == ["0-4", "4-8", "8-16", "16-32"]
-    assert out["0-4"] == pytest.approx(1.0)
-    assert out["4-8"] == pytest.approx(math.e)
-    assert out["8-16"] == pytest.approx(math.exp(3.0))
-    assert out["16-32"] == pytest.approx(math.exp(3.0))  # only the 4 positions there (2, 4, 2, 4)
-
-
-@pytest.mark.parametrize("depth", [0.0, 0.5, 0.9])
-def test_passkey_prompt_has_the_length_and_the_key_at_its_depth(depth):
-    text = bench.Text(torch.zeros(1), lambda s: list(s.encode()), lambda ids: bytes(ids).decode())
-    prompt = bytes(bench.passkey_prompt(text, 400, depth, 12345)).decode()
-    assert len(prompt) == 400
-    assert prompt.endswith("What is the pass key? The pass key is")
-    body = 400 - len(" The pass key is 12345. Remember it. 12345 is the pass key. ") - len(bench.QUESTION)
-    assert prompt.index(" The pass key is 12345.") == int(body * depth)
-    with pytest.raises(SystemExit, match="too short"):
-        bench.passkey_prompt(text, 50, depth, 12345)
 
 
 def test_arms_parse_and_bad_options_say_what_to_use():

@@ -38,12 +38,18 @@ def folders(tmp_path_factory) -> dict:
     src = root / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_head": 4}))
+    for name, config in {"bert": {"model_type": "bert", "architectures": ["BertForMaskedLM"]},
+                         "wide": {"model_type": "gpt2", "vocab_size": 300},
+                         "narrow": {"model_type": "gpt2", "vocab_size": 256}}.items():  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
     full = root / "full"
     full.mkdir()
     (full / "keep.txt").write_text("a user's file")
     text = root / "text.txt"
     text.write_text("some text")
-    return {"src": str(src), "full": str(full), "text": str(text), "root": str(root)}
+    return {"src": str(src), "full": str(full), "text": str(text), "root": str(root), "bert": str(root / "bert"),
+            "wide": str(root / "wide"), "narrow": str(root / "narrow")}  # fmt: skip
 
 
 def _run(argvs: list[list[str]]) -> list[dict]:
@@ -60,7 +66,7 @@ def _version() -> str:  # read from the file, not through the code under test
 
 def test_help_and_version_load_neither_torch_nor_transformers():
     argvs = [["--help"], ["--version"], ["convert", "--help"], ["recover", "--help"], ["export-gguf", "--help"]]
-    argvs.append(["info", "--help"])
+    argvs += [["info", "--help"], ["compare", "--help"]]
     results = _run(argvs)
     for argv, result in zip(argvs, results):
         assert result["code"] == 0, (argv, result)
@@ -71,6 +77,7 @@ def test_help_and_version_load_neither_torch_nor_transformers():
     for flag in flags:
         assert flag in results[2]["out"]  # the conversion options' flags, from their declaration
     assert "--train-file" in results[3]["out"] and "q8_0" in results[4]["out"]
+    assert "--max-tokens" in results[6]["out"] and "--passkey-lengths" in results[6]["out"]
 
 
 def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
@@ -96,6 +103,12 @@ def test_errors_that_need_no_model_come_before_the_library(folders, tmp_path):
         (["serve"], "serve needs MODEL first"),
         (["serve", str(tmp_path / "missing")], "MODEL"),
         (["nonsense"], "invalid choice: 'nonsense'"),
+        (["compare", folders["src"], str(tmp_path / "missing")], "MODEL '" + str(tmp_path / "missing") + "' is not a"),
+        (["compare", folders["src"], "--text", "nofile.txt"], "--text 'nofile.txt' is not a file"),
+        (["compare", folders["src"], "--text", folders["text"], "--dataset", "x"], "--text and --dataset both"),
+        (["compare", folders["src"], folders["bert"]], "is not a causal LM (config.json: BertForMaskedLM)"),
+        (["compare", folders["narrow"], folders["wide"]], "vocabularies differ (vocab_size: "),
+        (["compare", folders["src"], "--lengths", "0"], "argument --lengths: invalid positive integer value"),
     ]
     _assert_one_line_errors(cases)
     assert (Path(folders["full"]) / "keep.txt").read_text() == "a user's file"

@@ -178,3 +178,19 @@ def test_the_old_name_of_the_jobs_module_warns_and_is_the_same_module():
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
+
+
+def test_the_old_name_of_the_evaluation_module_warns_and_is_the_same_module():
+    """hf_alibi.evaluation moved into the evaluation wing (hf_alibi/evaluate/lengths.py): its old name is an alias for
+    one release (CONTRIBUTING: deprecated names)."""
+    code = (
+        "import warnings, hf_alibi.evaluate.lengths as new\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import hf_alibi.evaluation as old\n"
+        "    from hf_alibi.evaluation import evaluate_lengths\n"
+        "assert old is new and evaluate_lengths is new.evaluate_lengths\n"
+        "assert [w.category for w in caught] == [FutureWarning], caught\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]

@@ -5,11 +5,13 @@
     hf-alibi export-gguf SRC OUT.gguf
     hf-alibi serve MODEL [transformers serve options]
     hf-alibi info PATH
+    hf-alibi compare MODEL [MODEL ...] [--text FILE] [--lengths ...] [--out DIR]
 
 The command line is this package: :mod:`~hf_alibi.cli.parser` (every command's flags, from their declarations; the
 one reader of a passed-on option; the one error exit), :mod:`~hf_alibi.cli.checks` (what needs no model: paths,
 texts, option values through :mod:`hf_alibi.planning`), both without torch, and :mod:`~hf_alibi.cli.jobs` (with the
-library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, and :func:`~hf_alibi.cli.jobs.run`,
+library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, ``compare`` through
+:func:`hf_alibi.evaluate.compare`, and :func:`~hf_alibi.cli.jobs.run`,
 which calls one and reports). This module answers what needs no model (:func:`answer`), then runs the job
 (:func:`run_job`). ``hf-alibi`` runs it before ``hf_alibi/__init__.py`` (which imports torch): see
 :mod:`hf_alibi_boot`.

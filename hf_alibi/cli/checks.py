@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoints import check_output, check_source, is_hub_id, is_local
 from ..core.settings import check_pretrained_options, conversion_options
+from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs
 from ..gguf import check_output_file
 from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported, the CLI's names of today)
     HEAD_FIELDS,
@@ -60,6 +61,21 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.command == "export-gguf":
         check_source(args.src)
         check_output_file(args.out, args.overwrite)
+    if args.command == "compare":
+        check_compare(args)
+
+
+def check_compare(args: argparse.Namespace) -> None:
+    """``compare``'s inputs that need no model: each MODEL a folder (a causal LM by its config.json) or a Hub id, one
+    vocabulary size, the text, the output folder (hf_alibi.evaluate.inputs: the library asks the same again)."""
+    if args.text is not None and args.dataset is not None:
+        raise CliError(f"{flag('text')} and {flag('dataset')} both name a text: keep one.")
+    _check_file(args.text, "text")
+    try:
+        check_configs(local_configs(args.models))
+        check_output_folder(args.out, args.overwrite)
+    except CompareError as error:
+        raise CliError(str(error)) from None
 
 
 def check_conversion_values(args: argparse.Namespace) -> None:

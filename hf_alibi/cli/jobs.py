@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ..checkpoints import CheckpointError, Source, check_output, is_alibi, open_source, staged_output
 from ..core.settings import AlibiSettings, describe_options
+from ..evaluate.inputs import CompareError
 from ..fit import fit_slopes
 from ..hub.folder import write_converted
 from ..patch import ConversionPlan, patch_model, plan_conversion, takes_options
@@ -344,7 +345,7 @@ def _fit_text(fit_file, fit_scale, fit_tokens: int, options: dict) -> str | None
 def run(args: argparse.Namespace) -> int:
     """Run the command :func:`hf_alibi.cli.answer` checked, and report; the library's errors end it through the one
     error exit (``hf-alibi: error: ...``: status 2, or 1 where the Hub could not be reached)."""
-    with errors_exit(MissingServingExtras):
+    with errors_exit(MissingServingExtras, CompareError):
         if args.command == "convert":
             options = {name: getattr(args, name) for name in ("preset", *OPTIONS)}
             out = convert_checkpoint(
@@ -371,6 +372,13 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "info":
             info = checkpoint_info(args.path)
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
+        elif args.command == "compare":
+            from ..evaluate import compare, format_comparison
+
+            names = ("lengths", "protocols", "stride", "max_tokens", "position_tokens", "chunk", "passkey_lengths",
+                     "depths", "text", "dataset", "split", "device", "out", "overwrite")  # fmt: skip
+            print(format_comparison(compare(args.models, **{name: getattr(args, name) for name in names})))
+            print(f"Wrote {Path(args.out) / 'compare.json'} and {Path(args.out) / 'compare.png'}")
         elif args.command == "serve":
             from ..serve.server import serve
 

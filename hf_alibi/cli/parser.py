@@ -23,6 +23,7 @@ from ..checkpoints import CheckpointError
 from ..core.names import ENCODER_VARIANTS
 from ..core.settings import conversion_options, flag_spellings, presets
 from ..core.version import __version__
+from ..evaluate.inputs import DEFAULT_LENGTHS, DEFAULT_MAX_TOKENS, DEPTHS, PLOT_FILE, RESULTS_FILE
 from ..gguf import OUTTYPES, GGUFExportError
 from ..recover.settings import add_setting_flags
 from ..serve.request_checks import DEFAULT_CAP
@@ -118,6 +119,35 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("push_to_hub", "then upload OUT to this Hub repo", {"metavar": "REPO_ID"}),
     Flag("private", "create the Hub repo private", _SWITCH),
     Flag("commit_message", "commit message of the upload"),
+)
+
+
+# compare's flags (hf_alibi.evaluate.compare's keywords, one each), in the help's order
+_LENGTHS = {"type": positive_int, "nargs": "+", "default": list(DEFAULT_LENGTHS)}
+_PROTOCOLS = {"nargs": "+", "choices": ("nonoverlapping", "sliding"), "default": ["nonoverlapping"]}
+COMPARE_FLAGS: tuple[Flag, ...] = (
+    Flag("lengths", "perplexity at these window lengths", _LENGTHS),
+    Flag("protocols", "fairseq's: nonoverlapping windows, and/or sliding (each scores its last stride)", _PROTOCOLS),
+    Flag("stride", "sliding windows' step (default: half the length)", {"type": positive_int}),
+    Flag(
+        "max_tokens",
+        "the most tokens each measure reads (the windows' span, the stream)",
+        {"type": positive_int, "default": DEFAULT_MAX_TOKENS},
+    ),
+    Flag("position_tokens", "by-position stream (default: 2x the longest native length; 0: off)", {"type": int}),
+    Flag("chunk", "queries per forward along the stream (KV cache)", {"type": positive_int, "default": 1024}),
+    Flag(
+        "passkey_lengths",
+        "passkey retrieval at these lengths (default: the longest of --lengths; none: off)",
+        {"type": positive_int, "nargs": "*"},
+    ),
+    Flag("depths", "where the passkey hides (0: start, 1: end)", {"type": float, "nargs": "+", "default": [*DEPTHS]}),
+    Flag("text", "a plain-text file (default: the embedded corpus's validation split)", {"metavar": "FILE"}),
+    Flag("dataset", "a datasets name (NAME or NAME:CONFIG, a 'text' column) instead of --text"),
+    Flag("split", "--dataset's split", {"default": "validation"}),
+    Flag("device", "cpu, cuda, cuda:1, ... (default: cuda when there is one, in bf16; else cpu, fp32)"),
+    Flag("out", f"the folder for {RESULTS_FILE} and {PLOT_FILE}", {"default": "compare"}),
+    Flag("overwrite", f"replace {RESULTS_FILE} and {PLOT_FILE} in --out", _SWITCH),
 )
 
 
@@ -220,6 +250,18 @@ def build_parser() -> Parser:
     )
     serve.add_argument("model", metavar="MODEL", help="a converted folder or Hub id (or BLOOM, MPT, Falcon-RW)")
     add_flags(serve, SERVE_FLAGS)
+    cmp = commands.add_parser(
+        "compare",
+        help="measure an original and its conversions on the same tokens: perplexity by length and by position, "
+        "passkey; a table, a plot, a JSON",
+        description="Perplexity at each length (fairseq's protocols), by position along one stream through the KV "
+        "cache, and passkey retrieval, for every MODEL on the same tokens; prints a table (ratios to the first MODEL) "
+        f"and writes OUT/{RESULTS_FILE} and OUT/{PLOT_FILE}. See hf_alibi.evaluate.compare and docs/pretrained.md.",
+    )
+    cmp.add_argument(
+        "models", metavar="MODEL", nargs="+", help="folders or Hub ids; the first is the ratios' baseline"
+    )
+    add_flags(cmp, COMPARE_FLAGS)
     info = commands.add_parser("info", help="is PATH an ALiBi checkpoint, with which settings")
     info.add_argument("path", metavar="PATH", help="checkpoint folder or Hub id")
     add_flags(info, (Flag("json", "print the report as JSON", _SWITCH),))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from ..evaluation import evaluate_perplexity
+from ..evaluate.lengths import evaluate_perplexity
 from .blocks import NO_FRAME, Frame, frame_rows, frame_size
 from .kinds import CAUSAL_MODEL, model_kind
 from .losses import kl_next_token

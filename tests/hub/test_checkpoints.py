@@ -10,8 +10,7 @@ from transformers import GPT2Config, LlamaConfig, RobertaConfig, RobertaModel, T
 
 from hf_alibi import checkpoints
 from hf_alibi.checkpoints import CheckpointError, is_alibi, source_kind
-from hf_alibi.evaluation import position_limit
-from hf_alibi.positions import original_length, position_table
+from hf_alibi.positions import original_length, position_limit, position_table
 from hf_alibi.recover import original_length as model_original_length
 
 
@@ -35,7 +34,7 @@ def test_roberta_length_is_what_the_model_can_run():
     config_dict = model.config.to_dict()
     assert original_length(config_dict) == original_length(model.config) == original_length(model) == 64
     assert model_original_length(model) == 64  # hf_alibi.recover
-    assert position_limit(model) == 64  # hf_alibi.evaluation (was 66: the table's rows)
+    assert position_limit(model) == 64  # hf_alibi.positions (was 66: the table's rows)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

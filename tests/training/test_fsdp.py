@@ -208,7 +208,7 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
 
     from transformers import AutoTokenizer
 
-    from hf_alibi.evaluation import evaluate_perplexity
+    from hf_alibi.evaluate import evaluate_perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     lines = (tmp_path / "validation.txt").read_text().splitlines(keepends=True)

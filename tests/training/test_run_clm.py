@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_alibi
-from hf_alibi.evaluation import evaluate_perplexity
+from hf_alibi.evaluate import evaluate_perplexity
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "run_clm.py")
