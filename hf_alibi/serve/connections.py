@@ -101,8 +101,12 @@ class _LingeringTransport:
         if self._protocol.conn.their_state is not h11.SEND_BODY or not self._transport.can_write_eof():
             self._transport.close()
             return
+        try:
+            self._transport.write_eof()  # after the answer: the client reads it, then the end of the stream
+        except OSError:  # the client has gone already
+            self._transport.close()
+            return
         self._protocol._discarding = True
-        self._transport.write_eof()  # after the answer: the client reads it, then the end of the stream
         self._transport.resume_reading()
         self._protocol.loop.call_later(LINGER_SECONDS, self._transport.close)
 

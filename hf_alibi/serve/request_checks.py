@@ -47,7 +47,7 @@ class Limits:
     prompt_tokens: int = 8192
     body_bytes: int = 1 << 20
     read_timeout: float = 30.0
-    idle_timeout: float = 5.0
+    idle_timeout: float = 15.0  # past httpx's (the openai client's) 5 s keep-alive: the client closes first
 
 
 # each limit's flag (hf_alibi.cli.parser.SERVE_FLAGS) and the field of Limits it sets
