@@ -9,6 +9,8 @@
 - the request's body bounded (``--max-body-bytes``: 413 from its Content-Length, or as soon as the bytes read pass
   it, chunked too; nothing more is read) and the time to read it (``--read-timeout``: 408), each in OpenAI's shape,
   the connection closed after the answer (:mod:`hf_alibi.serve.connections` bounds headers and idle connections);
+- a non-streamed request in the batching worker whose client leaves before its answer is dropped from the batch
+  (transformers frees a stream's slot itself, not this one's);
 - ``GET /hf-alibi/load``: the generation requests in the server now, and the continuous-batching scheduler's
   requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -26,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 
 from .request_checks import (
     CAP_OPTION,
@@ -78,8 +82,13 @@ class RequestGuard:
         except BadRequest as error:
             await _answer(send, error.status, error.payload())
             return
+        batched = not body.get("stream") and cb_requests(self.generation_state) is not None
         body = json.dumps(body).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
+        request_id = dict(headers).get(b"x-request-id")  # transformers' request id: the client's, or one made here
+        if request_id is None:
+            request_id = uuid.uuid4().hex.encode()
+            headers.append((b"x-request-id", request_id))
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         given = False
 
@@ -93,7 +102,10 @@ class RequestGuard:
         sending = _OpenAIErrors(send)
         self.in_flight += 1
         try:
-            await self.app(scope, replay, sending)
+            if batched:
+                await self._unless_left(self.app(scope, replay, sending), receive, sending, request_id.decode())
+            else:
+                await self.app(scope, replay, sending)
         except Exception as error:  # noqa: BLE001 (a failure inside the server: 500 in OpenAI's shape, logged)
             if sending.started:
                 raise
@@ -101,6 +113,25 @@ class RequestGuard:
             await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
         finally:
             self.in_flight -= 1
+
+    async def _unless_left(self, answering, receive, sending, request_id: str) -> None:
+        """Run ``answering`` (a non-streamed request in the batching worker), dropping it from the batch
+        (:func:`cancel_cb_request`) if its client leaves before the answer begins: transformers' handler awaits the
+        result and never sees the client go, so the request would hold its batch slot and cache to its last token.
+        (A stream's own disconnect reaches transformers' handler, which cancels it.)"""
+        task = asyncio.ensure_future(answering)
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() or sending.started:
+                await task
+                return
+            cancel_cb_request(self.generation_state, request_id)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            watch.cancel()
 
     async def _read_body(self, scope, receive) -> bytes | None:
         """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
@@ -136,6 +167,19 @@ def _too_large(size: int, limit: int, more: bool = True) -> BadRequest:
         f"the request body is {read}{size} bytes, over this server's limit of {limit} bytes (--max-body-bytes)",
         code="request_too_large", status=413,
     )  # fmt: skip
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def cancel_cb_request(generation_state, request_id: str) -> None:
+    """Drop ``request_id`` from transformers' batching worker (``ContinuousBatchingManager.cancel_request``, reached
+    through ``GenerationState._cb_manager._cb``: a serving shim, private, checked on transformers 5.24.0)."""
+    manager = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+    if manager is not None:
+        manager.cancel_request(request_id)
 
 
 def load(in_flight: int, generation_state) -> dict:

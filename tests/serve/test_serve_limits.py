@@ -9,7 +9,8 @@ from outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py
   closed; a connection that sends nothing, before its first request or after one: closed after ``--idle-timeout``;
 - a stream whose client leaves: transformers' batching scheduler holds no request and no cache block within 1 s
   (its own counts, read through ``GET /hf-alibi/load``), and the next request is answered at once with its greedy
-  tokens (a generation left running would hold the plain server's one inference thread for seconds).
+  tokens (a generation left running would hold the plain server's one inference thread for seconds); the same for a
+  non-streamed request in the batching worker whose client leaves before its answer.
 
 Every good answer is compared with greedy ``generate()`` of the folder alone (tests/test_serve.py's ``expected``)."""
 
@@ -188,3 +189,29 @@ def test_a_stream_whose_client_leaves_frees_its_slot_at_once(server, folder, exp
         started = time.monotonic()  # the next request: answered at once (nothing else generating), its own tokens
         assert ask(port, folder, QUESTIONS[1]) == expected[QUESTIONS[1]]
         assert time.monotonic() - started < 1.5
+
+
+def test_a_batched_request_whose_client_leaves_before_its_answer_is_dropped(server, folder, expected):  # noqa: F811
+    """Non-streamed, in the batching worker: transformers' handler awaits the result and never sees the client go;
+    the guard drops it from the batch. (Plain serving runs such a request to its end: it cannot be stopped.)"""
+    if CB[0] not in server.args:
+        pytest.skip("plain serving's generate() has no way to be stopped without a stream")
+    port = server.port
+    ask(port, folder, QUESTIONS[0])  # the batching worker started
+    body = json.dumps({"prompt": "Hello world", "max_tokens": LONG, "temperature": 0}).encode()
+    sock = connect(port)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    started = time.monotonic()
+    while not load(port)["continuous_batching"]["cache_blocks_held"]:  # generating
+        assert time.monotonic() - started < 10
+        time.sleep(0.05)
+    sock.close()
+    left = time.monotonic()
+    while True:
+        now = load(port)
+        if now["in_flight"] == 0 and not any(now["continuous_batching"].values()):
+            break
+        assert time.monotonic() - left < 1, now
+        time.sleep(0.05)
+    assert ask(port, folder, QUESTIONS[1]) == expected[QUESTIONS[1]]
