@@ -22,7 +22,7 @@ from hf_alibi.cli.checks import (
     serving_engine,
 )
 from hf_alibi.cli.parser import SERVE_FLAGS, build_parser, take_option
-from hf_alibi.serve.request_checks import DEFAULT_CAP
+from hf_alibi.serve.request_checks import DEFAULT_CAP, LIMIT_FLAGS, Limits
 
 TYPES = sorted(hf_alibi.supported_model_types())
 
@@ -101,14 +101,19 @@ def test_the_one_reader_of_a_passed_on_option(argv, values, rest):
 def test_serve_options_are_read_from_their_declarations():
     """serve's own flags are declared once (SERVE_FLAGS: its help and usage), read by take_option in each spelling
     flag_spellings gives, and taken out of what goes to the engine's server; the port stays."""
-    assert {f.name for f in SERVE_FLAGS} == {"engine", "max_new_tokens_cap"}
+    assert [f.name for f in SERVE_FLAGS] == ["engine", *LIMIT_FLAGS]
     assert serving_engine(["m", "--port", "8000"]) == ("transformers", ["m", "--port", "8000"])
     assert serving_engine(["m", "--engine=vllm"]) == ("vllm", ["m"])
-    assert serve_options(["--port", "8000"]) == (DEFAULT_CAP, ["--port", "8000"])
-    assert serve_options(["--max_new_tokens_cap=8", "--port", "8000"]) == (8, ["--port", "8000"])
+    assert serve_options(["--port", "8000"]) == (Limits(), ["--port", "8000"])
+    assert Limits().new_tokens == DEFAULT_CAP
+    assert serve_options(["--max_new_tokens_cap=8", "--port", "8000"]) == (Limits(new_tokens=8), ["--port", "8000"])
+    argv = ["--read-timeout", "2.5", "--idle_timeout=1", "--max-body-bytes", "100", "--max-prompt-tokens", "9"]
+    assert serve_options(argv) == (Limits(prompt_tokens=9, body_bytes=100, read_timeout=2.5, idle_timeout=1.0), [])
     for argv, message in [
         (["--max-new-tokens-cap"], "takes a positive number of new tokens per request (got None)"),
         (["--port", "70000"], "argument --port: invalid port '70000'"),
+        (["--read-timeout", "0"], "--read-timeout takes a positive number of seconds (got '0')"),
+        (["--max-body-bytes", "1.5"], "--max-body-bytes takes a positive number of bytes (got '1.5')"),
     ]:
         with pytest.raises(CliError, match=re.escape(message)):
             serve_options(argv)

@@ -89,10 +89,8 @@ def _serve(parser, argv: list[str]) -> argparse.Namespace:
         engine, argv = serving_engine(argv)
         if engine == "vllm":
             _exec_vllm(argv)
-        cap, arguments = serve_options(argv[1:])
-    return argparse.Namespace(
-        command="serve", model=argv[0], engine=engine, max_new_tokens_cap=cap, arguments=arguments
-    )
+        limits, arguments = serve_options(argv[1:])
+    return argparse.Namespace(command="serve", model=argv[0], engine=engine, limits=limits, arguments=arguments)
 
 
 def _exec_vllm(argv: list[str]) -> None:

@@ -32,8 +32,8 @@ from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported,
     resolve_options,
 )
 from ..recover.settings import settings_from_flags
-from ..serve.request_checks import DEFAULT_CAP
-from .parser import SERVING_ENGINES, CliError, flag, take_option
+from ..serve.request_checks import LIMIT_FLAGS, Limits
+from .parser import SERVE_FLAGS, SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
 # the patches modules of the converted rows (hf_alibi.patches; patches/native.py imports hf_alibi.native, and so torch)
@@ -191,20 +191,32 @@ def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
     return (values[-1] if values else SERVING_ENGINES[0]), rest
 
 
-def serve_options(argv: list[str]) -> tuple[int, list[str]]:
-    """``hf-alibi serve MODEL ...``'s cap on new tokens (``--max-new-tokens-cap N``, taken out: the rest goes to
+def serve_options(argv: list[str]) -> tuple[Limits, list[str]]:
+    """``hf-alibi serve MODEL ...``'s limits (``--max-new-tokens-cap N``, ``--max-prompt-tokens N``,
+    ``--max-body-bytes BYTES``, ``--read-timeout SECONDS``, ``--idle-timeout SECONDS``, taken out: the rest goes to
     `transformers serve`) and the options this command answers in its own form before `transformers serve` parses
     them (with the library loaded): the port, a number from 0 to 65535.
 
-    >>> serve_options(["--port", "8000", "--max-new-tokens-cap", "256"])
-    (256, ['--port', '8000'])
+    >>> serve_options(["--port", "8000", "--max-new-tokens-cap", "256"])[0].new_tokens
+    256
     """
-    cap = flag("max_new_tokens_cap")
-    values, rest = take_option(argv, "max_new_tokens_cap")
-    for value in values:
-        if value is None or not value.isdigit() or int(value) < 1:
-            raise CliError(f"{cap} takes a positive number of new tokens per request (got {value!r})")
+    given, rest = {}, argv
+    for declared in SERVE_FLAGS:
+        if declared.name not in LIMIT_FLAGS:
+            continue
+        values, rest = take_option(rest, declared.name)
+        for value in values:
+            try:
+                given[LIMIT_FLAGS[declared.name]] = declared.keywords["type"](value)
+            except (TypeError, ValueError):
+                raise CliError(f"{flag(declared.name)} takes a {_UNITS[declared.name]} (got {value!r})") from None
     for value in take_option(rest, "port")[0]:
         if not (value and value.isdigit() and int(value) <= 65535):
             raise CliError(f"argument {flag('port')}: invalid port {value or ''!r}: give a number from 0 to 65535.")
-    return (int(values[-1]) if values else DEFAULT_CAP), rest
+    return Limits(**given), rest
+
+
+_UNITS = {"max_new_tokens_cap": "positive number of new tokens per request",
+          "max_prompt_tokens": "positive number of prompt tokens per request",
+          "max_body_bytes": "positive number of bytes", "read_timeout": "positive number of seconds",
+          "idle_timeout": "positive number of seconds"}  # fmt: skip

@@ -382,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "serve":
             from ..serve.server import serve
 
-            serve(args.model, args.arguments, cap=args.max_new_tokens_cap)
+            serve(args.model, args.arguments, limits=args.limits)
     return 0
 
 

@@ -26,7 +26,7 @@ from ..core.version import __version__
 from ..evaluate.inputs import DEFAULT_LENGTHS, DEFAULT_MAX_TOKENS, DEPTHS, PLOT_FILE, RESULTS_FILE
 from ..gguf import OUTTYPES, GGUFExportError
 from ..recover.settings import add_setting_flags
-from ..serve.request_checks import DEFAULT_CAP
+from ..serve.request_checks import Limits
 
 
 class CliError(Exception):
@@ -151,6 +151,15 @@ COMPARE_FLAGS: tuple[Flag, ...] = (
 )
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+positive_float.__name__ = "positive number"
+_LIMITS = Limits()  # the defaults
 SERVING_ENGINES = ("transformers", "vllm")
 # serve's own flags, taken out of its command line (take_option); the rest is the engine's server's, passed on
 SERVE_FLAGS: tuple[Flag, ...] = (
@@ -162,13 +171,36 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "max_new_tokens_cap",
-        "the most new tokens a request may ask for (one that names no maximum gets it)",
-        {"type": positive_int, "default": DEFAULT_CAP, "metavar": "N"},
+        f"the most new tokens a request may ask for (one that names no maximum gets it; default {_LIMITS.new_tokens})",
+        {"type": positive_int, "default": _LIMITS.new_tokens, "metavar": "N"},
+    ),
+    Flag(
+        "max_prompt_tokens",
+        f"the most tokens a prompt may have, as the model reads it; more: 400 (default {_LIMITS.prompt_tokens})",
+        {"type": positive_int, "default": _LIMITS.prompt_tokens, "metavar": "N"},
+    ),
+    Flag(
+        "max_body_bytes",
+        f"the largest request body; larger: 413, read no further (default {_LIMITS.body_bytes}, 1 MiB)",
+        {"type": positive_int, "default": _LIMITS.body_bytes, "metavar": "BYTES"},
+    ),
+    Flag(
+        "read_timeout",
+        f"seconds to receive a request's headers, then its body; later: 408 and the connection closed (default "
+        f"{_LIMITS.read_timeout:g})",
+        {"type": positive_float, "default": _LIMITS.read_timeout, "metavar": "SECONDS"},
+    ),
+    Flag(
+        "idle_timeout",
+        f"seconds a connection may hold no request, before its first and between requests, before it is closed "
+        f"(default {_LIMITS.idle_timeout:g})",
+        {"type": positive_float, "default": _LIMITS.idle_timeout, "metavar": "SECONDS"},
     ),
 )
 SERVE_USAGE = (
-    f"%(prog)s MODEL [--engine transformers|vllm] [--max-new-tokens-cap N (default {DEFAULT_CAP})] [the engine's "
-    "server options]"
+    f"%(prog)s MODEL [--engine transformers|vllm] [--max-new-tokens-cap N (default {_LIMITS.new_tokens})] "
+    "[--max-prompt-tokens N] [--max-body-bytes BYTES] [--read-timeout SECONDS] [--idle-timeout SECONDS] [the "
+    "engine's server options]"
 )
 SERVE_DESCRIPTION = (
     "MODEL: a converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention. The options "

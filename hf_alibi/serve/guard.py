@@ -6,6 +6,13 @@
 - the cap on new tokens per request (``--max-new-tokens-cap``, read by the command line:
   :func:`hf_alibi.cli.checks.serve_options`; :data:`~hf_alibi.serve.request_checks.DEFAULT_CAP` by default), written
   into each request: one that names no maximum gets the cap, one that asks more is refused.
+- the request's body bounded (``--max-body-bytes``: 413 from its Content-Length, or as soon as the bytes read pass
+  it, chunked too; nothing more is read) and the time to read it (``--read-timeout``: 408), each in OpenAI's shape,
+  the connection closed after the answer (:mod:`hf_alibi.serve.connections` bounds headers and idle connections);
+- a non-streamed request in the batching worker whose client leaves before its answer is dropped from the batch
+  (transformers frees a stream's slot itself, not this one's);
+- ``GET /hf-alibi/load``: the generation requests in the server now, and the continuous-batching scheduler's
+  requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
   every later request 503 until the process ends), the process says so in one line and exits with
   :data:`WORKER_DIED_STATUS`, for a supervisor (systemd, Kubernetes, a shell loop) to start it again.
@@ -13,6 +20,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -20,12 +29,25 @@ import os
 import sys
 import threading
 import time
+import uuid
 
-from .request_checks import CAP_OPTION, CHAT, COMPLETIONS, GUARDED, BadRequest, check_body, openai_error
+from .request_checks import (
+    CAP_OPTION,
+    CHAT,
+    COMPLETIONS,
+    GUARDED,
+    PROMPT_OPTION,
+    BadRequest,
+    Limits,
+    check_body,
+    openai_error,
+)
 
 WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
 _FLUSH_SECONDS = 1.0  # the failed requests' 503 answers go out before the process ends
+LOAD_PATH = "/hf-alibi/load"
+_CLOSE = [(b"connection", b"close")]
 
 
 def say(line: str) -> None:
@@ -33,28 +55,40 @@ def say(line: str) -> None:
 
 
 class RequestGuard:
-    """ASGI middleware: the generation endpoints' requests checked and bounded, and every 4xx / 5xx of those
+    """ASGI middleware: the generation endpoints' requests bounded, checked and counted, and every 4xx / 5xx of those
     endpoints answered in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, app, tokenizer, cap: int, pinned: str):
-        self.app, self.tokenizer, self.cap, self.pinned = app, tokenizer, cap, pinned
+    def __init__(self, app, tokenizer, limits: Limits, pinned: str, generation_state=None):
+        self.app, self.tokenizer, self.limits, self.pinned = app, tokenizer, limits, pinned
+        self.generation_state, self.in_flight = generation_state, 0
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOAD_PATH:
+            await _answer(send, 200, load(self.in_flight, self.generation_state))
+            return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED:
             await self.app(scope, receive, send)
             return
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            raw, more = raw + message.get("body", b""), message.get("more_body", False)
         try:
-            body = json.dumps(check_body(scope["path"], raw, self.tokenizer, self.cap, self.pinned)).encode()
+            raw = await self._read_body(scope, receive)
+        except BadRequest as error:
+            await _answer(send, error.status, error.payload(), _CLOSE)
+            return
+        if raw is None:  # the client left
+            return
+        try:
+            body = check_body(scope["path"], raw, self.tokenizer, self.limits.new_tokens, self.pinned,
+                              self.limits.prompt_tokens)  # fmt: skip
         except BadRequest as error:
             await _answer(send, error.status, error.payload())
             return
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        batched = not body.get("stream") and cb_requests(self.generation_state) is not None
+        body = json.dumps(body).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
+        request_id = dict(headers).get(b"x-request-id")  # transformers' request id: the client's, or one made here
+        if request_id is None:
+            request_id = uuid.uuid4().hex.encode()
+            headers.append((b"x-request-id", request_id))
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         given = False
 
@@ -66,18 +100,113 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         sending = _OpenAIErrors(send)
+        self.in_flight += 1
         try:
-            await self.app(scope, replay, sending)
+            if batched:
+                await self._unless_left(self.app(scope, replay, sending), receive, sending, request_id.decode())
+            else:
+                await self.app(scope, replay, sending)
         except Exception as error:  # noqa: BLE001 (a failure inside the server: 500 in OpenAI's shape, logged)
             if sending.started:
                 raise
             logging.getLogger("hf_alibi.serve").exception("request to %s failed", scope["path"])
             await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
+        finally:
+            self.in_flight -= 1
+
+    async def _unless_left(self, answering, receive, sending, request_id: str) -> None:
+        """Run ``answering`` (a non-streamed request in the batching worker), dropping it from the batch
+        (:func:`cancel_cb_request`) if its client leaves before the answer begins: transformers' handler awaits the
+        result and never sees the client go, so the request would hold its batch slot and cache to its last token.
+        (A stream's own disconnect reaches transformers' handler, which cancels it.)"""
+        task = asyncio.ensure_future(answering)
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done() or sending.started:
+                await task
+                return
+            cancel_cb_request(self.generation_state, request_id)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            watch.cancel()
+
+    async def _read_body(self, scope, receive) -> bytes | None:
+        """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
+        raises :class:`BadRequest` (413, 408); None: the client disconnected."""
+        limit, timeout = self.limits.body_bytes, self.limits.read_timeout
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        parts, size, more = [], 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                raise BadRequest(
+                    f"the request's body did not arrive within {timeout:g} s (--read-timeout; {size} bytes came)",
+                    code="request_timeout", status=408,
+                ) from None  # fmt: skip
+            if message["type"] == "http.disconnect":
+                return None
+            part, more = message.get("body", b""), message.get("more_body", False)
+            size += len(part)
+            if size > limit:
+                raise _too_large(size, limit, more)
+            parts.append(part)
+        return b"".join(parts)
 
 
-async def _answer(send, status: int, payload: dict) -> None:
+def _too_large(size: int, limit: int, more: bool = True) -> BadRequest:
+    read = "at least " if more else ""
+    return BadRequest(
+        f"the request body is {read}{size} bytes, over this server's limit of {limit} bytes (--max-body-bytes)",
+        code="request_too_large", status=413,
+    )  # fmt: skip
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def cancel_cb_request(generation_state, request_id: str) -> None:
+    """Drop ``request_id`` from transformers' batching worker (``ContinuousBatchingManager.cancel_request``, reached
+    through ``GenerationState._cb_manager._cb``: a serving shim, private, checked on transformers 5.24.0)."""
+    manager = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+    if manager is not None:
+        manager.cancel_request(request_id)
+
+
+def load(in_flight: int, generation_state) -> dict:
+    """``GET /hf-alibi/load``'s answer: ``in_flight``, the generation requests inside transformers' handlers now (a
+    stream counts until its generation has stopped), and ``continuous_batching`` (:func:`cb_requests`)."""
+    return {"in_flight": in_flight, "continuous_batching": cb_requests(generation_state)}
+
+
+def cb_requests(generation_state) -> dict | None:
+    """transformers' continuous-batching scheduler's requests (``active``: in the batch, holding cache blocks;
+    ``waiting``; ``cancelling``: asked to stop, not yet removed) and the cache blocks in their block tables
+    (``cache_blocks_held``; complete blocks kept for prefix reuse, free to evict, are not counted), or None where no
+    batching worker runs. A serving shim: it reads ``GenerationState._cb_manager._cb.batch_processor.scheduler``
+    (private; checked on transformers 5.24.0), each step with a default, so another release answers None."""
+    manager = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+    scheduler = getattr(getattr(manager, "batch_processor", None), "scheduler", None)
+    cache = getattr(scheduler, "cache", None)
+    if cache is None:
+        return None
+    held = sum(len(table) for a in cache.cache_allocators.values() for table in list(a.block_table.values()))
+    return {"active": len(scheduler.active_requests), "waiting": len(scheduler.waiting_requests),
+            "cancelling": len(getattr(scheduler, "_requests_to_cancel", ())), "cache_blocks_held": held}  # fmt: skip
+
+
+async def _answer(send, status: int, payload: dict, extra: list | None = None) -> None:
     body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -141,24 +270,29 @@ def watch_worker(generation_state) -> threading.Thread:
     return thread
 
 
-def guarded_build_server(build_server, tokenizer, cap: int, pinned: str):
+def guarded_build_server(build_server, tokenizer, limits: Limits, pinned: str):
     """transformers' ``build_server`` (replaced through ``compat.wrap_server_builder``), its app given
     :class:`RequestGuard` and its generation state :func:`watch_worker`."""
     signature = inspect.signature(build_server)
 
     def build(*args, **kwargs):
         app = build_server(*args, **kwargs)
-        app.add_middleware(RequestGuard, tokenizer=tokenizer, cap=cap, pinned=pinned)
-        watch_worker(signature.bind(*args, **kwargs).arguments["generation_state"])
+        state = signature.bind(*args, **kwargs).arguments["generation_state"]
+        app.add_middleware(RequestGuard, tokenizer=tokenizer, limits=limits, pinned=pinned, generation_state=state)
+        watch_worker(state)
         return app
 
     return build
 
 
-def start_lines(tokenizer, cap: int) -> list[str]:
+def start_lines(tokenizer, limits: Limits) -> list[str]:
     """What the server says at start about the requests it takes."""
+    cap = limits.new_tokens
     lines = [f"at most {cap} new tokens per request ({CAP_OPTION} to change it); a request naming no maximum gets "
-             f"{cap}, one asking more is refused (400)"]  # fmt: skip
+             f"{cap}, one asking more is refused (400)",
+             f"at most {limits.prompt_tokens} prompt tokens ({PROMPT_OPTION}; 400), {limits.body_bytes} body bytes "
+             f"(--max-body-bytes; 413); headers, then the body, within {limits.read_timeout:g} s (--read-timeout; "
+             f"408); idle connections closed after {limits.idle_timeout:g} s (--idle-timeout)"]  # fmt: skip
     if getattr(tokenizer, "chat_template", None) is None:
         lines.append(f"MODEL's tokenizer has no chat template: {CHAT} and /v1/responses answer 400, {COMPLETIONS} "
                      "takes plain prompts")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 SYSTEMONE, LOAD_MODEL = "/v1/systemone", "/load_model"  # checked by transformers (pydantic), or pinned here
@@ -24,6 +25,35 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PARTS = ("text", "input_text", "output_text")
 CAP_OPTION = "--max-new-tokens-cap"
 DEFAULT_CAP = 1024  # transformers serve's own default for a request that names no maximum
+PROMPT_OPTION = "--max-prompt-tokens"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What ``hf-alibi serve`` bounds per request and per connection, each with its flag (the defaults here are the
+    flags' defaults, shown by ``hf-alibi serve --help``).
+
+    - ``new_tokens``: new tokens per request (``--max-new-tokens-cap``);
+    - ``prompt_tokens``: a prompt's tokens, as the model would read them (``--max-prompt-tokens``); a 10 MB prompt
+      (3.4M tokens) grew transformers' batching server to 21 GB before the kernel ended it;
+    - ``body_bytes``: a request body's bytes (``--max-body-bytes``), refused with 413 from its Content-Length or as
+      soon as the bytes read pass it (chunked bodies too);
+    - ``read_timeout``: seconds to receive a request's headers, and then its whole body (``--read-timeout``): 408;
+    - ``idle_timeout``: seconds a connection may sit without a request (``--idle-timeout``), before its first
+      request and between requests (uvicorn's keep-alive timeout).
+    """
+
+    new_tokens: int = DEFAULT_CAP
+    prompt_tokens: int = 8192
+    body_bytes: int = 1 << 20
+    read_timeout: float = 30.0
+    idle_timeout: float = 15.0  # past httpx's (the openai client's) 5 s keep-alive: the client closes first
+
+
+# each limit's flag (hf_alibi.cli.parser.SERVE_FLAGS) and the field of Limits it sets
+LIMIT_FLAGS = {"max_new_tokens_cap": "new_tokens", "max_prompt_tokens": "prompt_tokens",
+               "max_body_bytes": "body_bytes", "read_timeout": "read_timeout",
+               "idle_timeout": "idle_timeout"}  # fmt: skip
 
 
 def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
@@ -48,10 +78,11 @@ class BadRequest(ValueError):
         return openai_error(str(self), self.status, self.param, self.code)
 
 
-def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str) -> dict:
+def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str, prompt_cap: int | None = None) -> dict:
     """The request ``raw`` (the JSON body POSTed to ``path``, one of :data:`GUARDED`) checked, with the bound on its
     new tokens written in the field transformers reads first (the request's own, or ``cap`` when it names none);
-    raises :class:`BadRequest`. ``pinned``: the one model the server serves.
+    raises :class:`BadRequest`. ``pinned``: the one model the server serves; ``prompt_cap``: the most tokens a
+    prompt may have (None: any).
 
     >>> check_body("/v1/completions", b'{"prompt": "Hi", "max_tokens": 8}', tokenizer, 1024, "./m")  # doctest: +SKIP
     {'prompt': 'Hi', 'max_tokens': 8}
@@ -72,11 +103,18 @@ def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str) -> dict:
     _check_common(body, tokenizer)
     body[MAXIMUM_FIELDS[path][-1]] = _maximum(body, MAXIMUM_FIELDS[path], cap)
     if path == COMPLETIONS:
-        _check_prompt(body, tokenizer)
+        tokens, param = _check_prompt(body, tokenizer), "prompt"
     else:
         messages = _chat_messages(body["messages"] if "messages" in body else None) if path == CHAT else (
             _response_messages(body))  # fmt: skip
-        _check_template(messages, body, tokenizer, "messages" if path == CHAT else "input")
+        param = "messages" if path == CHAT else "input"
+        tokens = _check_template(messages, body, tokenizer, param)
+    if prompt_cap is not None and tokens > prompt_cap:
+        raise BadRequest(
+            f"`{param}` is {tokens} tokens, over this server's cap of {prompt_cap} prompt tokens (started with "
+            f"{PROMPT_OPTION} {prompt_cap}; restart it with a larger {PROMPT_OPTION} to allow more)",
+            param=param, code="prompt_too_long",
+        )  # fmt: skip
     return body
 
 
@@ -170,13 +208,16 @@ def _check_generation_config(value) -> None:
         raise BadRequest(f"`generation_config` is refused: {reason}", param="generation_config") from None
 
 
-def _check_prompt(body: dict, tokenizer) -> None:
+def _check_prompt(body: dict, tokenizer) -> int:
+    """The prompt's number of tokens (at least one)."""
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise _fail("prompt", "a non-empty string", prompt)
-    if not tokenizer(prompt)["input_ids"]:
+    tokens = len(tokenizer(prompt)["input_ids"])
+    if not tokens:
         raise BadRequest(f"`prompt` {prompt!r} is no tokens for this model's tokenizer", param="prompt",
                          code="empty_prompt")  # fmt: skip
+    return tokens
 
 
 def _chat_messages(messages, param: str = "messages") -> list[dict]:
@@ -281,8 +322,8 @@ def _is_text_part(part) -> bool:
     return isinstance(part, dict) and isinstance(part.get("text"), str)
 
 
-def _check_template(messages: list[dict], body: dict, tokenizer, param: str) -> None:
-    """The chat template renders ``messages`` into at least one token (transformers renders them again)."""
+def _check_template(messages: list[dict], body: dict, tokenizer, param: str) -> int:
+    """The chat template renders ``messages`` into at least one token (transformers renders them again): how many."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise BadRequest(MISSING_TEMPLATE, param=param, code="chat_template_missing")
     try:
@@ -295,6 +336,7 @@ def _check_template(messages: list[dict], body: dict, tokenizer, param: str) -> 
                          code="chat_template_error") from None  # fmt: skip
     if not ids:
         raise BadRequest("the chat template renders these messages into no tokens", param=param, code="empty_prompt")
+    return len(ids)
 
 
 MISSING_TEMPLATE = (

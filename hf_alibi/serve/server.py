@@ -21,8 +21,9 @@ from __future__ import annotations
 import sys
 
 from ..checkpoints import CheckpointError, is_alibi, read_config
-from .request_checks import DEFAULT_CAP
+from .request_checks import Limits
 
+DEFAULTS = Limits()
 EXTRAS_INSTALL = "pip install 'hf_alibi[serve]' (or transformers' own: pip install 'transformers[serving]')"
 
 
@@ -122,11 +123,13 @@ def check_server_version() -> None:
         )
 
 
-def serve(model: str, arguments: list[str], cap: int = DEFAULT_CAP) -> None:
+def serve(model: str, arguments: list[str], limits: Limits = DEFAULTS) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
-    checked and bounded first (at most ``cap`` new tokens each: ``hf-alibi serve --max-new-tokens-cap``, which the
-    command line reads), and the process ended if the continuous-batching worker dies (:mod:`hf_alibi.serve.guard`)."""
+    checked and bounded first (``limits``: new and prompt tokens, body bytes, read and idle timeouts, which the
+    command line reads from ``hf-alibi serve``'s flags), and the process ended if the continuous-batching worker dies
+    (:mod:`hf_alibi.serve.guard`, :mod:`hf_alibi.serve.connections`)."""
     from ..core.compat import serving_available, transformers_cli_app, wrap_server_builder
+    from .connections import bound_connections
     from .guard import guarded_build_server, say, start_lines
 
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it
@@ -144,7 +147,8 @@ def serve(model: str, arguments: list[str], cap: int = DEFAULT_CAP) -> None:
         raise CheckpointError(
             f"MODEL {model!r} has no tokenizer that loads ({reason}): a server needs one; save it in the folder."
         ) from None
-    for line in start_lines(tokenizer, cap):
+    for line in start_lines(tokenizer, limits):
         say(line)
-    wrap_server_builder(lambda build_server: guarded_build_server(build_server, tokenizer, cap, model))
+    wrap_server_builder(lambda build_server: guarded_build_server(build_server, tokenizer, limits, model))
+    bound_connections(limits)
     app(args=["serve", model, *arguments], prog_name="hf-alibi")
