@@ -5,11 +5,14 @@ perplexity tables) as one ``text`` block. This test takes README's command from 
 the install steps before ``python``, runs it in a fresh folder with a fresh cache (corpus and tokenizer built anew, as
 on a fresh clone) with torch's two intra-op threads, as on the 2-core machine the docs were measured on (another count
 sums in another order: one thread moves a last digit), and asserts that each line of the docs' block is a line the
-job printed, in order: a figure changed by one in its last digit fails here.
+job printed, in order: a figure changed by one in its last digit fails here. Then ``hf-alibi compare`` measures the
+job's model against its unconverted baseline (README's command without ``--alibi``) and gives the job's own
+validation figures, its table says what its JSON says, and the plot is a PNG.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -62,23 +65,61 @@ def test_lines_in_order_finds_a_changed_digit():
     assert lines_in_order(["b", "a"], printed) == ["a"]  # order counts
 
 
-def test_the_main_job_prints_what_docs_training_md_says(tmp_path):
-    expected = docs_printed_lines()
-    assert len(expected) >= 2 * 6 + 8, "the docs' block lost figures: both tables and the logged losses belong there"
-    argv = readme_main_job()
-    assert argv[0] == "scripts/run_clm.py" and argv[argv.index("--output_dir") + 1] == "out/main_job"
+def _run_job(argv: list[str], folder):
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    cache = tmp_path / "cache"
+    cache = folder / "cache"
     env.update(OMP_NUM_THREADS="2", HF_ALIBI_CACHE=str(cache), HF_DATASETS_CACHE=str(cache / "datasets"))
     env["PYTHONPATH"] = str(REPO_ROOT)  # this checkout's hf_alibi, as README's `pip install -e .` gives
-    (tmp_path / "scripts").symlink_to(REPO_ROOT / "scripts")  # README's relative paths, in a fresh folder
-    result = subprocess.run(
-        [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
-    )
+    if not (folder / "scripts").exists():
+        (folder / "scripts").symlink_to(REPO_ROOT / "scripts")  # README's relative paths, in a fresh folder
+    result = subprocess.run([sys.executable, *argv], cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    printed = [line.rstrip() for line in result.stdout.splitlines()]
+    return result, env
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """README's main job, run once as written in a fresh folder: (its stdout, the folder, the environment)."""
+    argv = readme_main_job()
+    assert argv[0] == "scripts/run_clm.py" and argv[argv.index("--output_dir") + 1] == "out/main_job"
+    folder = tmp_path_factory.mktemp("fresh")
+    result, env = _run_job(argv, folder)
+    return result.stdout, folder, env
+
+
+def test_the_main_job_prints_what_docs_training_md_says(main_job):
+    expected = docs_printed_lines()
+    assert len(expected) >= 2 * 6 + 8, "the docs' block lost figures: both tables and the logged losses belong there"
+    stdout, folder, _ = main_job
+    printed = [line.rstrip() for line in stdout.splitlines()]
     missing = lines_in_order(expected, printed)
     assert not missing, "docs/training.md's figures differ from what the job printed:\n" + "\n".join(
         missing + ["--- printed:"] + printed[-40:]
     )
-    assert (tmp_path / "out" / "main_job" / "eval_results.json").is_file()
+    assert (folder / "out" / "main_job" / "eval_results.json").is_file()
+
+
+def test_compare_measures_the_main_job_against_its_baseline(main_job):
+    stdout, folder, env = main_job
+    baseline = [word for word in readme_main_job() if word != "--alibi"]
+    baseline[baseline.index("--output_dir") + 1] = "out/baseline"
+    _run_job(baseline, folder)
+    lengths = ["128", "256", "512", "1024"]
+    command = [sys.executable, "-m", "hf_alibi", "compare", "out/baseline", "out/main_job", "--lengths", *lengths,
+               "--max-tokens", "8192", "--position-tokens", "0", "--passkey-lengths", "--out", "cmp"]  # fmt: skip
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((folder / "cmp" / "compare.json").read_text())
+    assert (folder / "cmp" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    base, alibi = results["models"]
+    assert alibi["native"] == 128  # the length it was trained at (eval_results.json), marked on the plot
+    # the job's own validation table (non-overlapping, the first 8192 tokens): compare reads the same tokens
+    job = {line.split("|")[0].strip(): line.split("|")[1].strip() for line in stdout.split("validation (")[1]
+           .split("test (")[0].splitlines() if line.strip()[:1].isdigit()}  # fmt: skip
+    table = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith("ppl@")}
+    for length in lengths:
+        figure = alibi["perplexity"]["nonoverlapping"][length]["perplexity"]
+        assert f"{figure:.3f}" == job[length], (length, figure, job[length])
+        base_figure = base["perplexity"]["nonoverlapping"][length]["perplexity"]
+        row = table[f"ppl@{length}"]  # name, protocol, baseline, main job, ratio
+        assert row[2:] == [f"{base_figure:.3f}", f"{figure:.3f}", f"{figure / base_figure:.3f}"], row
