@@ -69,6 +69,9 @@ class AttnImplementationOverride:
     sets the sub-configs).
     """
 
+    # stored name -> reported name for the names whose answer never changes, read first (a subclass fills its own)
+    reported_names: dict[str, str] = {}
+
     def reported_attn_implementation(self, stored: str | dict | None) -> str | dict | None:
         return stored
 
@@ -77,9 +80,11 @@ class AttnImplementationOverride:
 
     @property
     def _attn_implementation(self):
-        # read by every attention layer at every step: the stored value read here directly, and the method found on
-        # the class (a config's own attribute lookup is Python code in transformers)
-        return type(self).reported_attn_implementation(self, self._attn_implementation_internal)
+        # read by every attention layer at every step: the stored value read here directly, the memo and the method
+        # found on the class (a config's own attribute lookup is Python code in transformers)
+        stored = self._attn_implementation_internal
+        reported = type(self).reported_names.get(stored) if type(stored) is str else None
+        return type(self).reported_attn_implementation(self, stored) if reported is None else reported
 
     @_attn_implementation.setter
     def _attn_implementation(self, value):
@@ -96,6 +101,25 @@ def store_attn_implementation(config: PretrainedConfig, value: str | None) -> No
     """Write ``_attn_implementation_internal`` directly, without the setter (so the sub-configs keep
     theirs; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
     config._attn_implementation_internal = value
+
+
+def attn_implementation(config: PretrainedConfig) -> str | dict | None:
+    """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
+    property; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
+    return config._attn_implementation
+
+
+def assign_attn_implementation(config: PretrainedConfig, value: str | None) -> None:
+    """Set ``config._attn_implementation`` through ``PretrainedConfig``'s setter (the sub-configs too), without a
+    model's ``set_attn_implementation`` checks (checked on transformers 5.19.0 and 5.24.0)."""
+    config._attn_implementation = value
+
+
+# Class attributes of a model class whose module source does not show transformers' attention interface (its
+# attention modules replaced on the instance): ``PreTrainedModel._can_set_attn_implementation`` reads the class's
+# source to decide whether ``set_attn_implementation`` may switch it, unless
+# ``_can_set_attn_implementation_cached_value`` is a bool (checked on transformers 5.19.0 and 5.24.0).
+ATTN_IMPLEMENTATION_SETTABLE = {"_can_set_attn_implementation_cached_value": True}
 
 
 def stored_output_attentions(config: PretrainedConfig) -> bool | None:
@@ -290,14 +314,34 @@ def paged_layer_window(cache, layer_idx: int) -> int | None:
     return getattr(cache.layer_to_allocator[layer_idx], "sliding_window", None)
 
 
+@functools.cache
 def continuous_batching_manager_class() -> type:
     """transformers' ``ContinuousBatchingManager``, whose ``__init__`` calls ``self.switch_to_cb_friendly_attn(model,
     auto_switch_to_flash)`` (the check of the attention implementation's name) and then resolves
     ``self.continuous_batching_config`` (compile, CUDA graphs); ``ContinuousMixin.init_continuous_batching`` returns
-    a cached ``_cached_continuous_batching_manager`` after calling that same method. Checked on 5.19.0 and 5.24.0."""
+    a cached ``_cached_continuous_batching_manager`` after calling that same method. Checked on 5.19.0 and 5.24.0.
+
+    Subclassed once here: its private ``_create_batch_processor`` runs inside ``self.making_batch_processor()``, a
+    context manager a subclass may override (default: nothing around it)."""
+    import contextlib
+
     from transformers import ContinuousBatchingManager
 
-    return ContinuousBatchingManager
+    class Manager(ContinuousBatchingManager):
+        def making_batch_processor(self):
+            return contextlib.nullcontext()
+
+        def _create_batch_processor(self):
+            with self.making_batch_processor():
+                return super()._create_batch_processor()
+
+    return Manager
+
+
+def cached_continuous_batching_manager(model):
+    """The manager ``init_continuous_batching`` cached on ``model`` (``_cached_continuous_batching_manager``; checked
+    on 5.19.0 and 5.24.0), else ``None``."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
 
 
 # The attention names for which transformers' continuous batching allocates a dense ``(1, 1, max_batch_tokens,
@@ -307,7 +351,12 @@ def continuous_batching_manager_class() -> type:
 CONTINUOUS_BATCHING_DENSE_MASK_NAMES = ("paged|eager", "sdpa")
 
 __all__ = [
+    "ATTN_IMPLEMENTATION_SETTABLE",
     "AUTO_CLASSES",
+    "assign_attn_implementation",
+    "attn_implementation",
+    "cached_continuous_batching_manager",
+    "GradientCheckpointingOverride",
     "CONTINUOUS_BATCHING_DENSE_MASK_NAMES",
     "AttnImplementationOverride",
     "auto_class_names",
@@ -405,13 +454,6 @@ def serving_available() -> bool:
     return is_serve_available()
 
 
-def attn_implementation(config: PretrainedConfig) -> str | dict | None:
-    """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
-    property; ``fit_slopes`` reads it to restore it after its eager pass; checked on transformers 5.19.0, 5.23.0 and
-    5.24.0)."""
-    return config._attn_implementation
-
-
 def block_mask_free_generate_masks():
     """A ``create_masks_for_generate`` method for a model class where transformers' ``generate()`` cannot take the
     mask that function makes, else ``None``.
@@ -438,7 +480,6 @@ def block_mask_free_generate_masks():
 
 
 __all__ += [
-    "attn_implementation",
     "block_mask_free_generate_masks",
     "loss_is_per_batch_mean",
     "name_or_path",
@@ -446,6 +487,20 @@ __all__ += [
     "serving_available",
     "transformers_cli_app",
 ]
+
+
+class GradientCheckpointingOverride:
+    """Model mixin: transformers' gradient checkpointing (``PreTrainedModel._set_gradient_checkpointing``, private;
+    checked on transformers 5.19 and 5.24) runs every checkpointed call through ``self.checkpoint_function(function)``
+    (default: the function as given)."""
+
+    @staticmethod
+    def checkpoint_function(function):
+        return function
+
+    def _set_gradient_checkpointing(self, *args, **kwargs):
+        args, kwargs = with_checkpoint_function(args, kwargs, self.checkpoint_function)
+        return super()._set_gradient_checkpointing(*args, **kwargs)
 
 
 def with_checkpoint_function(args: tuple, kwargs: dict, wrap) -> tuple[tuple, dict]:

@@ -25,8 +25,8 @@ def model_card(
 ) -> str:
     """README.md for an ALiBi checkpoint: the Hub's metadata header, how to load it, the settings.
 
-    ``base_model`` is the Hub id the checkpoint was converted from; by default the config's
-    ``_name_or_path`` when it looks like a Hub id (a local path is left out of the header). ``recovery``:
+    ``base_model`` is the Hub id the checkpoint was converted from; by default where the config was loaded from
+    (``compat.name_or_path``) when it looks like a Hub id (a local path is left out of the header). ``recovery``:
     the section that says how the checkpoint was recovered (:func:`hf_alibi.recover.recovery_card_section`),
     for a recovered one. What the card says about training follows from the settings (:func:`training_note`).
     """

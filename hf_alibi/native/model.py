@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from ..core.batching import LAYER_ARGUMENTS, make_manager
 from ..core.bias import AlibiBias
-from ..core.compat import block_mask_free_generate_masks
+from ..core.compat import ATTN_IMPLEMENTATION_SETTABLE, block_mask_free_generate_masks
 from ..core.forward import KEYWORD, CheckpointsInForward, bound_arguments, call_forward
 from ..core.kernels import KERNELS, kernel_refusal, refusal
 from ..core.names import check_backend
@@ -111,7 +111,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             # transformers' per-backend flags, read off the kernel table: a flag is set where one of its backends
             # renders this row's bias (Falcon's rounded bias: no flash kernel)
             **{flag: any(name in backends for name in names) for flag, names in SUPPORT_FLAGS.items()},
-            "_can_set_attn_implementation_cached_value": True,
+            **ATTN_IMPLEMENTATION_SETTABLE,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,
             "_native_original": original,
