@@ -34,7 +34,7 @@ from .compat import (
     store_attn_implementation,
     stored_attn_implementation,
 )
-from .kernels import check_backend, paged_refusal
+from .kernels import PAGED_BACKENDS, check_backend, paged_refusal
 from .names import alibi_name, base_name
 from .slopes import CAUSAL, BiasSpec, is_sink
 
@@ -137,7 +137,7 @@ def paged_bias_mask(forward, alibi, module, query: torch.Tensor, kv_len: int, kw
     if kwargs.get("block_table") is not None:
         raise ValueError(
             "Continuous batching's decode fast path (a block table read by flash kernels) has no ALiBi path: "
-            "use attn_implementation 'sdpa' or 'eager' for continuous batching."
+            f"use attn_implementation {' or '.join(repr(name) for name in PAGED_BACKENDS)} for continuous batching."
         )
     cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
     if not isinstance(cu_seq_lens_k, torch.Tensor):

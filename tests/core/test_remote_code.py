@@ -48,7 +48,7 @@ OPTIONAL = {
 
 def test_optional_packages_are_imported_in_try_blocks_only():
     """transformers' check_imports refuses a checkpoint whose code imports a missing package outside a try block."""
-    assert set(OPTIONAL) == {"flash", "fa4", "cudnn"}
+    assert OPTIONAL and all((CORE / f"{stem}.py").is_file() for stem in OPTIONAL)  # read off the table
     for stem, packages in OPTIONAL.items():
         tree = ast.parse((CORE / f"{stem}.py").read_text())
         guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
