@@ -1,8 +1,9 @@
-"""Every private transformers API hf_alibi uses, in one place, each with the versions it was checked on.
+"""Every private transformers API a loaded checkpoint runs, each with the versions it was checked on (the server's
+are in ``serve/compat.py``, saving's in ``hub/compat.py``: a checkpoint's remote code copies this file, not those).
 
 Last checked on transformers 5.19.0 and 5.24.0, torch 2.13.0 (the ranges below say since when each holds).
 
-A transformers release that moves one of these breaks only this file. Public APIs (the attention and
+A transformers release that moves one of these breaks only the compat modules. Public APIs (the attention and
 mask interfaces' ``register``, ``PreTrainedModel``, the Auto classes) are imported where they are used.
 """
 
@@ -387,71 +388,8 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The outer layer's private uses (hf_alibi/hub, hf_alibi/recover, hf_alibi/native/), each checked on transformers
-# 5.19.0, 5.23.0 and 5.24.0.
-
-
-def relative_import_files(module_file) -> list[str]:
-    """Every file ``module_file`` imports with flat relative imports, followed recursively, the way
-    transformers' dynamic-module loader follows them for remote code
-    (``dynamic_module_utils.get_relative_import_files``; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    return get_relative_import_files(module_file)
-
-
-def name_or_path(config: PretrainedConfig) -> str:
-    """Where a config was loaded from (``PretrainedConfig._name_or_path``, a folder or a Hub id; "" when
-    built in code; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
-    return getattr(config, "_name_or_path", "") or ""
-
-
-def loss_is_per_batch_mean(trainer) -> None:
-    """Tell a ``Trainer`` whose ``compute_loss`` returns a per-batch mean (not a sum over the
-    ``num_items_in_batch`` of the accumulated batches) to divide it by the gradient accumulation steps.
-
-    ``Trainer.training_step`` divides when ``loss_is_scaled_for_ga`` (a class attribute of later 5.x
-    releases; ``None`` = decide) is False, else, like the releases before it, when not
-    ``model_accepts_loss_kwargs and num_items_in_batch is not None`` and there is no ``compute_loss_func``.
-    Setting both makes every 5.x divide; ``model_accepts_loss_kwargs`` False also stops the Trainer from
-    counting the batch's items for a loss that does not use them. Checked on transformers 5.19.0, 5.23.0, 5.24.0."""
-    trainer.model_accepts_loss_kwargs = False
-    if hasattr(type(trainer), "loss_is_scaled_for_ga"):
-        trainer.loss_is_scaled_for_ga = False
-
-
-def transformers_cli_app():
-    """The ``transformers`` command's typer app (``transformers.cli.transformers.app``; ``app(args=["serve", ...])``
-    runs ``transformers serve`` in this process without its update check; checked on 5.19.0 and 5.24.0)."""
-    from transformers.cli.transformers import app
-
-    return app
-
-
-def wrap_server_builder(wrap) -> None:
-    """Replace transformers' ``build_server`` (``transformers.cli.serving.server.build_server``, which ``Serve``
-    imports from that module when it runs) with ``wrap(build_server)``; checked on transformers 5.24.0 (hf-alibi
-    serve refuses older releases)."""
-    from transformers.cli.serving import server  # through sys.modules: the transformers module that holds the name
-
-    server.build_server = wrap(server.build_server)
-
-
-def cb_worker_fatal_error(generation_state) -> str:
-    """Why transformers' continuous-batching worker died, as its status records it
-    (``GenerationState._cb_manager._cb.background_thread_status.fatal_error``, all private; checked on 5.24.0), or
-    ``""`` where any of it is missing."""
-    manager = getattr(generation_state, "_cb_manager", None)
-    status = getattr(getattr(manager, "_cb", None), "background_thread_status", None)
-    return str(getattr(status, "fatal_error", "") or "")
-
-
-def serving_available() -> bool:
-    """Whether ``transformers serve``'s own dependencies are installed (``transformers.utils.import_utils.
-    is_serve_available``, what its server checks first; checked on transformers 5.19.0 and 5.24.0)."""
-    from transformers.utils.import_utils import is_serve_available
-
-    return is_serve_available()
+# The native models' private uses (hf_alibi/native/); the server's are in hf_alibi/serve/compat.py, saving's in
+# hf_alibi/hub/compat.py (a checkpoint's remote code copies this file: only what a loaded model runs is here).
 
 
 def block_mask_free_generate_masks():
@@ -479,14 +417,7 @@ def block_mask_free_generate_masks():
     return masks_for_generate
 
 
-__all__ += [
-    "block_mask_free_generate_masks",
-    "loss_is_per_batch_mean",
-    "name_or_path",
-    "relative_import_files",
-    "serving_available",
-    "transformers_cli_app",
-]
+__all__ += ["block_mask_free_generate_masks"]
 
 
 class GradientCheckpointingOverride:

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from ..checkpoints import is_hub_id
-from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.settings import conversion_options
 from ..core.version import __version__
+from .compat import name_or_path
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 
 # Auto class -> the Hub's pipeline tag, for the model card (first match wins).

@@ -125,7 +125,7 @@ def watch_worker(generation_state) -> threading.Thread:
     """A daemon thread that ends the process, with one line and :data:`WORKER_DIED_STATUS`, once transformers'
     continuous-batching worker is dead (``GenerationState.is_cb_alive()``; True while none was started)."""
 
-    from ..core.compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
+    from .compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
 
     def watch():
         while generation_state.is_cb_alive():
@@ -142,7 +142,7 @@ def watch_worker(generation_state) -> threading.Thread:
 
 
 def guarded_build_server(build_server, tokenizer, cap: int, pinned: str):
-    """transformers' ``build_server`` (replaced through ``compat.wrap_server_builder``), its app given
+    """transformers' ``build_server`` (replaced through ``serve.compat.wrap_server_builder``), its app given
     :class:`RequestGuard` and its generation state :func:`watch_worker`."""
     signature = inspect.signature(build_server)
 

@@ -126,7 +126,7 @@ def serve(model: str, arguments: list[str], cap: int = DEFAULT_CAP) -> None:
     """Run ``transformers serve MODEL *arguments`` with the converted ``model``'s class resolvable, every request
     checked and bounded first (at most ``cap`` new tokens each: ``hf-alibi serve --max-new-tokens-cap``, which the
     command line reads), and the process ended if the continuous-batching worker dies (:mod:`hf_alibi.serve.guard`)."""
-    from ..core.compat import serving_available, transformers_cli_app, wrap_server_builder
+    from .compat import serving_available, transformers_cli_app, wrap_server_builder
     from .guard import guarded_build_server, say, start_lines
 
     if not serving_available():  # before MODEL loads: transformers' server would raise this after it

@@ -11,8 +11,9 @@ import torch
 import transformers
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_alibi"
-# the modules where transformers' private names are allowed, each with the versions it read them in
-COMPAT = {PACKAGE / "core" / "compat.py"}
+# the modules where transformers' private names are allowed, each with the versions it read them in: the core's
+# (copied into every checkpoint's remote code), the server's and saving's (which a loaded model never runs)
+COMPAT = {PACKAGE / "core" / "compat.py", PACKAGE / "serve" / "compat.py", PACKAGE / "hub" / "compat.py"}
 # transformers' documented hooks for a model class (what a model class sets to tell transformers what it supports),
 # not private state (CONTRIBUTING, "What the structure keeps on purpose")
 CLASS_HOOKS = {"_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend"}
