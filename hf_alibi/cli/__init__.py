@@ -79,7 +79,7 @@ def _serve(parser, argv: list[str]) -> argparse.Namespace:
         print(parser.commands["serve"].format_help())
         print("transformers serve's options follow (needs transformers' serving extras: pip install "
               "'transformers[serving]'):", flush=True)  # fmt: skip
-        from hf_alibi.core.compat import transformers_cli_app
+        from hf_alibi.serve.compat import transformers_cli_app
 
         transformers_cli_app()(args=["serve", "--help"], prog_name="hf-alibi")
     if not argv or argv[0].startswith("-"):

@@ -19,19 +19,22 @@ refuses the rest in one line. With that name transformers builds no mask of its 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from .compat import (
     CONTINUOUS_BATCHING_DENSE_MASK_NAMES,
+    attn_implementation,
+    cached_continuous_batching_manager,
     continuous_batching_manager_class,
     is_paged_cache,
     paged_layer_window,
     store_attn_implementation,
     stored_attn_implementation,
 )
-from .kernels import check_backend, paged_refusal
+from .kernels import PAGED_BACKENDS, check_backend, paged_refusal
 from .names import alibi_name, base_name
 from .slopes import CAUSAL, BiasSpec, is_sink
 
@@ -134,7 +137,7 @@ def paged_bias_mask(forward, alibi, module, query: torch.Tensor, kv_len: int, kw
     if kwargs.get("block_table") is not None:
         raise ValueError(
             "Continuous batching's decode fast path (a block table read by flash kernels) has no ALiBi path: "
-            "use attn_implementation 'sdpa' or 'eager' for continuous batching."
+            f"use attn_implementation {' or '.join(repr(name) for name in PAGED_BACKENDS)} for continuous batching."
         )
     cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
     if not isinstance(cu_seq_lens_k, torch.Tensor):
@@ -160,7 +163,7 @@ def check_continuous_batching(model) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("Continuous batching runs decoder-only models; use generate() for this encoder-decoder.")
     check_backend(stored_attn_implementation(config))  # another engine's name, written past the setter
-    reason = paged_refusal(config._attn_implementation)  # the kernel table's paged backends take the bias here
+    reason = paged_refusal(attn_implementation(config))  # the kernel table's paged backends take the bias here
     if reason is not None:
         raise ValueError(reason)
 
@@ -198,16 +201,18 @@ def alibi_manager_class() -> type:
             super().__init__(model, *args, **kwargs)
             check_manager_config(self.continuous_batching_config)
 
-        def _create_batch_processor(self):
+        @contextlib.contextmanager
+        def making_batch_processor(self):
             # a model trained with ALiBi keeps the name "sdpa" (native/), for which transformers would allocate a
             # dense mask of GBs that the paged path never reads: the processor is made under hf_alibi's name for it
             config = self.model.config
-            name = config._attn_implementation
+            name = attn_implementation(config)
             if name not in CONTINUOUS_BATCHING_DENSE_MASK_NAMES:
-                return super()._create_batch_processor()
+                yield
+                return
             store_attn_implementation(config, alibi_name(base_name(name)))
             try:
-                return super()._create_batch_processor()
+                yield
             finally:
                 store_attn_implementation(config, name)
 
@@ -226,7 +231,7 @@ def make_manager(model, generation_config=None, continuous_batching_config=None,
     from transformers import ContinuousBatchingConfig
 
     check_continuous_batching(model)
-    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    cached = cached_continuous_batching_manager(model)
     if isinstance(cached, alibi_manager_class()):
         cached.switch_to_cb_friendly_attn(model)
         return cached

@@ -1,8 +1,9 @@
-"""Every private transformers API hf_alibi uses, in one place, each with the versions it was checked on.
+"""Every private transformers API a loaded checkpoint runs, each with the versions it was checked on (the server's
+are in ``serve/compat.py``, saving's in ``hub/compat.py``: a checkpoint's remote code copies this file, not those).
 
 Last checked on transformers 5.19.0 and 5.24.0, torch 2.13.0 (the ranges below say since when each holds).
 
-A transformers release that moves one of these breaks only this file. Public APIs (the attention and
+A transformers release that moves one of these breaks only the compat modules. Public APIs (the attention and
 mask interfaces' ``register``, ``PreTrainedModel``, the Auto classes) are imported where they are used.
 """
 
@@ -69,6 +70,9 @@ class AttnImplementationOverride:
     sets the sub-configs).
     """
 
+    # stored name -> reported name for the names whose answer never changes, read first (a subclass fills its own)
+    reported_names: dict[str, str] = {}
+
     def reported_attn_implementation(self, stored: str | dict | None) -> str | dict | None:
         return stored
 
@@ -77,9 +81,11 @@ class AttnImplementationOverride:
 
     @property
     def _attn_implementation(self):
-        # read by every attention layer at every step: the stored value read here directly, and the method found on
-        # the class (a config's own attribute lookup is Python code in transformers)
-        return type(self).reported_attn_implementation(self, self._attn_implementation_internal)
+        # read by every attention layer at every step: the stored value read here directly, the memo and the method
+        # found on the class (a config's own attribute lookup is Python code in transformers)
+        stored = self._attn_implementation_internal
+        reported = type(self).reported_names.get(stored) if type(stored) is str else None
+        return type(self).reported_attn_implementation(self, stored) if reported is None else reported
 
     @_attn_implementation.setter
     def _attn_implementation(self, value):
@@ -96,6 +102,25 @@ def store_attn_implementation(config: PretrainedConfig, value: str | None) -> No
     """Write ``_attn_implementation_internal`` directly, without the setter (so the sub-configs keep
     theirs; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
     config._attn_implementation_internal = value
+
+
+def attn_implementation(config: PretrainedConfig) -> str | dict | None:
+    """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
+    property; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
+    return config._attn_implementation
+
+
+def assign_attn_implementation(config: PretrainedConfig, value: str | None) -> None:
+    """Set ``config._attn_implementation`` through ``PretrainedConfig``'s setter (the sub-configs too), without a
+    model's ``set_attn_implementation`` checks (checked on transformers 5.19.0 and 5.24.0)."""
+    config._attn_implementation = value
+
+
+# Class attributes of a model class whose module source does not show transformers' attention interface (its
+# attention modules replaced on the instance): ``PreTrainedModel._can_set_attn_implementation`` reads the class's
+# source to decide whether ``set_attn_implementation`` may switch it, unless
+# ``_can_set_attn_implementation_cached_value`` is a bool (checked on transformers 5.19.0 and 5.24.0).
+ATTN_IMPLEMENTATION_SETTABLE = {"_can_set_attn_implementation_cached_value": True}
 
 
 def stored_output_attentions(config: PretrainedConfig) -> bool | None:
@@ -290,14 +315,34 @@ def paged_layer_window(cache, layer_idx: int) -> int | None:
     return getattr(cache.layer_to_allocator[layer_idx], "sliding_window", None)
 
 
+@functools.cache
 def continuous_batching_manager_class() -> type:
     """transformers' ``ContinuousBatchingManager``, whose ``__init__`` calls ``self.switch_to_cb_friendly_attn(model,
     auto_switch_to_flash)`` (the check of the attention implementation's name) and then resolves
     ``self.continuous_batching_config`` (compile, CUDA graphs); ``ContinuousMixin.init_continuous_batching`` returns
-    a cached ``_cached_continuous_batching_manager`` after calling that same method. Checked on 5.19.0 and 5.24.0."""
+    a cached ``_cached_continuous_batching_manager`` after calling that same method. Checked on 5.19.0 and 5.24.0.
+
+    Subclassed once here: its private ``_create_batch_processor`` runs inside ``self.making_batch_processor()``, a
+    context manager a subclass may override (default: nothing around it)."""
+    import contextlib
+
     from transformers import ContinuousBatchingManager
 
-    return ContinuousBatchingManager
+    class Manager(ContinuousBatchingManager):
+        def making_batch_processor(self):
+            return contextlib.nullcontext()
+
+        def _create_batch_processor(self):
+            with self.making_batch_processor():
+                return super()._create_batch_processor()
+
+    return Manager
+
+
+def cached_continuous_batching_manager(model):
+    """The manager ``init_continuous_batching`` cached on ``model`` (``_cached_continuous_batching_manager``; checked
+    on 5.19.0 and 5.24.0), else ``None``."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
 
 
 # The attention names for which transformers' continuous batching allocates a dense ``(1, 1, max_batch_tokens,
@@ -307,7 +352,12 @@ def continuous_batching_manager_class() -> type:
 CONTINUOUS_BATCHING_DENSE_MASK_NAMES = ("paged|eager", "sdpa")
 
 __all__ = [
+    "ATTN_IMPLEMENTATION_SETTABLE",
     "AUTO_CLASSES",
+    "assign_attn_implementation",
+    "attn_implementation",
+    "cached_continuous_batching_manager",
+    "GradientCheckpointingOverride",
     "CONTINUOUS_BATCHING_DENSE_MASK_NAMES",
     "AttnImplementationOverride",
     "auto_class_names",
@@ -338,78 +388,8 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The outer layer's private uses (hf_alibi/hub, hf_alibi/recover, hf_alibi/native/), each checked on transformers
-# 5.19.0, 5.23.0 and 5.24.0.
-
-
-def relative_import_files(module_file) -> list[str]:
-    """Every file ``module_file`` imports with flat relative imports, followed recursively, the way
-    transformers' dynamic-module loader follows them for remote code
-    (``dynamic_module_utils.get_relative_import_files``; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    return get_relative_import_files(module_file)
-
-
-def name_or_path(config: PretrainedConfig) -> str:
-    """Where a config was loaded from (``PretrainedConfig._name_or_path``, a folder or a Hub id; "" when
-    built in code; checked on transformers 5.19.0, 5.23.0 and 5.24.0)."""
-    return getattr(config, "_name_or_path", "") or ""
-
-
-def loss_is_per_batch_mean(trainer) -> None:
-    """Tell a ``Trainer`` whose ``compute_loss`` returns a per-batch mean (not a sum over the
-    ``num_items_in_batch`` of the accumulated batches) to divide it by the gradient accumulation steps.
-
-    ``Trainer.training_step`` divides when ``loss_is_scaled_for_ga`` (a class attribute of later 5.x
-    releases; ``None`` = decide) is False, else, like the releases before it, when not
-    ``model_accepts_loss_kwargs and num_items_in_batch is not None`` and there is no ``compute_loss_func``.
-    Setting both makes every 5.x divide; ``model_accepts_loss_kwargs`` False also stops the Trainer from
-    counting the batch's items for a loss that does not use them. Checked on transformers 5.19.0, 5.23.0, 5.24.0."""
-    trainer.model_accepts_loss_kwargs = False
-    if hasattr(type(trainer), "loss_is_scaled_for_ga"):
-        trainer.loss_is_scaled_for_ga = False
-
-
-def transformers_cli_app():
-    """The ``transformers`` command's typer app (``transformers.cli.transformers.app``; ``app(args=["serve", ...])``
-    runs ``transformers serve`` in this process without its update check; checked on 5.19.0 and 5.24.0)."""
-    from transformers.cli.transformers import app
-
-    return app
-
-
-def wrap_server_builder(wrap) -> None:
-    """Replace transformers' ``build_server`` (``transformers.cli.serving.server.build_server``, which ``Serve``
-    imports from that module when it runs) with ``wrap(build_server)``; checked on transformers 5.24.0 (hf-alibi
-    serve refuses older releases)."""
-    from transformers.cli.serving import server  # through sys.modules: the transformers module that holds the name
-
-    server.build_server = wrap(server.build_server)
-
-
-def cb_worker_fatal_error(generation_state) -> str:
-    """Why transformers' continuous-batching worker died, as its status records it
-    (``GenerationState._cb_manager._cb.background_thread_status.fatal_error``, all private; checked on 5.24.0), or
-    ``""`` where any of it is missing."""
-    manager = getattr(generation_state, "_cb_manager", None)
-    status = getattr(getattr(manager, "_cb", None), "background_thread_status", None)
-    return str(getattr(status, "fatal_error", "") or "")
-
-
-def serving_available() -> bool:
-    """Whether ``transformers serve``'s own dependencies are installed (``transformers.utils.import_utils.
-    is_serve_available``, what its server checks first; checked on transformers 5.19.0 and 5.24.0)."""
-    from transformers.utils.import_utils import is_serve_available
-
-    return is_serve_available()
-
-
-def attn_implementation(config: PretrainedConfig) -> str | dict | None:
-    """The attention backend transformers dispatches on (``PretrainedConfig._attn_implementation``, a private
-    property; ``fit_slopes`` reads it to restore it after its eager pass; checked on transformers 5.19.0, 5.23.0 and
-    5.24.0)."""
-    return config._attn_implementation
+# The native models' private uses (hf_alibi/native/); the server's are in hf_alibi/serve/compat.py, saving's in
+# hf_alibi/hub/compat.py (a checkpoint's remote code copies this file: only what a loaded model runs is here).
 
 
 def block_mask_free_generate_masks():
@@ -437,15 +417,21 @@ def block_mask_free_generate_masks():
     return masks_for_generate
 
 
-__all__ += [
-    "attn_implementation",
-    "block_mask_free_generate_masks",
-    "loss_is_per_batch_mean",
-    "name_or_path",
-    "relative_import_files",
-    "serving_available",
-    "transformers_cli_app",
-]
+__all__ += ["block_mask_free_generate_masks"]
+
+
+class GradientCheckpointingOverride:
+    """Model mixin: transformers' gradient checkpointing (``PreTrainedModel._set_gradient_checkpointing``, private;
+    checked on transformers 5.19 and 5.24) runs every checkpointed call through ``self.checkpoint_function(function)``
+    (default: the function as given)."""
+
+    @staticmethod
+    def checkpoint_function(function):
+        return function
+
+    def _set_gradient_checkpointing(self, *args, **kwargs):
+        args, kwargs = with_checkpoint_function(args, kwargs, self.checkpoint_function)
+        return super()._set_gradient_checkpointing(*args, **kwargs)
 
 
 def with_checkpoint_function(args: tuple, kwargs: dict, wrap) -> tuple[tuple, dict]:

@@ -114,6 +114,7 @@ class AlibiConfigMixin(AttnImplementationOverride):
     """
 
     alibi: dict | None = None
+    reported_names = _REPORTED  # the memo compat's getter reads first
     # Fields of the base config that size the removed position path (set per class; None: found
     # in config.json by the marker, for remote code that has no row of the architecture).
     removed_fields: tuple[str, ...] | None = ()
@@ -157,16 +158,9 @@ class AlibiConfigMixin(AttnImplementationOverride):
             return _reported_name(stored)
         reported = _REPORTED.get(stored)
         if reported is None:
-            reported = _REPORTED[stored] = _reported_name(stored)
-        return reported
-
-    @AttnImplementationOverride._attn_implementation.getter
-    def _attn_implementation(self):
-        # every attention layer reads it at every step: a name seen before is answered from the memo in this one call
-        stored = self._attn_implementation_internal
-        reported = _REPORTED.get(stored) if type(stored) is str else None
-        if reported is None or reported == _FOREIGN_NAME:  # a granted engine's name is never memoised
-            return self.reported_attn_implementation(stored)
+            reported = _reported_name(stored)
+            if reported != _FOREIGN_NAME:  # a foreign name is asked again: it may be granted to an engine later
+                _REPORTED[stored] = reported
         return reported
 
     def accepted_attn_implementation(self, value):
@@ -192,7 +186,7 @@ class AlibiConfigMixin(AttnImplementationOverride):
 
     def validate(self) -> None:
         """transformers' checks of this config (``save_pretrained`` runs them), each as the base class
-        runs it, except ``validate_output_attentions``: that one compares ``_attn_implementation`` with
+        runs it, except ``validate_output_attentions``: that one compares the attention implementation with
         ``"eager"``, and here it answers ``"alibi_eager"``, so it is made against the plain backend.
         (A validator's error comes out as its own ValueError / TypeError, not wrapped.)
         """

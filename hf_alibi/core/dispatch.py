@@ -1,6 +1,6 @@
 """``alibi_<backend>``: ALiBi attention registered with transformers' attention interface, and the path choice.
 
-A converted model's config reports ``config._attn_implementation == "alibi_<backend>"`` (see
+A converted model's config reports the attention implementation ``"alibi_<backend>"`` (see
 ``config.py``), so transformers dispatches each attention layer to the function registered here
 under that name. The function finds the layer's :class:`AlibiBias` (``module.alibi``), chooses how
 to apply it (:func:`choose_path`) and calls the backend. A layer without an ``AlibiBias``

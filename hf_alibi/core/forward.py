@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .batching import PagedBatch, paged_batch
-from .compat import cache_argument, is_exporting, with_checkpoint_function
+from .compat import GradientCheckpointingOverride, cache_argument, is_exporting
 from .mask import attends
 from .names import granted_engine
 from .packing import document_starts, is_packed
@@ -208,14 +208,12 @@ def reentering(checkpoint_function):
     return checkpoint
 
 
-class CheckpointsInForward:
+class CheckpointsInForward(GradientCheckpointingOverride):
     """Mixin of the converted and native model classes: transformers' gradient checkpointing (``Trainer``'s
     ``gradient_checkpointing=True``, ``model.gradient_checkpointing_enable()``) runs each checkpointed layer inside its
     forward (:func:`reentering`)."""
 
-    def _set_gradient_checkpointing(self, *args, **kwargs):
-        args, kwargs = with_checkpoint_function(args, kwargs, reentering)
-        return super()._set_gradient_checkpointing(*args, **kwargs)
+    checkpoint_function = staticmethod(reentering)
 
 
 def hook_base(base: nn.Module, setup: ForwardSetup, first: bool = False) -> None:

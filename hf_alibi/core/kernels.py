@@ -33,7 +33,8 @@ class Kernel:
     than the paper's: fitted, per-layer), ``packed`` (packed rows, one document each) and ``paged`` (continuous
     batching's paged cache): whether it renders them. ``label``: how a refusal names it. ``packages``: optional
     top-level imports it needs (inside a ``try`` block, which transformers' ``check_imports`` skips). ``install``: what
-    to install for it, said where it is missing.
+    to install for it, said where it is missing. ``flag``: transformers' class attribute (``_supports_*``) that lets a
+    model class take this backend, ``None`` where every model takes it (eager, a name hf_alibi registers itself).
     """
 
     name: str
@@ -48,6 +49,7 @@ class Kernel:
     label: str = ""
     packages: tuple[str, ...] = ()
     install: str = ""
+    flag: str | None = None
 
     @property
     def runs(self) -> bool:
@@ -56,8 +58,8 @@ class Kernel:
 
 KERNELS: tuple[Kernel, ...] = (
     Kernel("eager", "eager_attention_forward", paged=True, label="the eager kernel"),
-    Kernel("sdpa", "sdpa_attention_forward", paged=True, label="the sdpa kernel"),
-    Kernel("flex_attention", "flex_alibi_attention", mask=BLOCK, label="FlexAttention"),
+    Kernel("sdpa", "sdpa_attention_forward", paged=True, label="the sdpa kernel", flag="_supports_sdpa"),
+    Kernel("flex_attention", "flex_alibi_attention", mask=BLOCK, label="FlexAttention", flag="_supports_flex_attn"),
     Kernel(
         "flash_attention_2",
         "flash_alibi_attention",
@@ -68,8 +70,9 @@ KERNELS: tuple[Kernel, ...] = (
         label="flash-attn's ALiBi",
         packages=("flash_attn",),
         install="pip install flash-attn",
+        flag="_supports_flash_attn",
     ),  # fmt: skip
-    Kernel("flash_attention_3", None, mask=PADDING, label="flash-attn 3"),
+    Kernel("flash_attention_3", None, mask=PADDING, label="flash-attn 3", flag="_supports_flash_attn"),
     Kernel(
         "flash_attention_4",
         "fa4_alibi_attention",
@@ -80,6 +83,7 @@ KERNELS: tuple[Kernel, ...] = (
         label="FlashAttention-4's ALiBi score_mod",
         packages=("flash_attn", "cutlass"),
         install="pip install flash-attn-4==4.0.0b36, or pip install -e '.[fa4]' in a checkout of hf_alibi",
+        flag="_supports_flash_attn",
     ),  # fmt: skip
     Kernel(
         "cudnn",
@@ -101,6 +105,11 @@ KERNEL_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 RUNNING_BACKENDS = tuple(kernel.name for kernel in KERNELS if kernel.runs)
 REFUSED_BACKENDS = tuple(kernel.name for kernel in KERNELS if not kernel.runs)
 PAGED_BACKENDS = tuple(kernel.name for kernel in KERNELS if kernel.paged)
+# transformers' flag on a model class -> the backends it lets the class take (eager needs none)
+SUPPORT_FLAGS = {
+    flag: tuple(kernel.name for kernel in KERNELS if kernel.flag == flag)
+    for flag in dict.fromkeys(kernel.flag for kernel in KERNELS if kernel.flag)
+}
 WHAT_RUNS = (
     f"a converted model runs with attn_implementation {', '.join(repr(b) for b in RUNNING_BACKENDS)} in "
     "transformers (generate, Trainer, pipelines, sentence-transformers, TRL), in vLLM through hf_alibi's plugin "

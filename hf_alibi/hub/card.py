@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from ..checkpoints import is_hub_id
-from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.settings import conversion_options
 from ..core.version import __version__
+from .compat import name_or_path
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 
 # Auto class -> the Hub's pipeline tag, for the model card (first match wins).
@@ -25,8 +25,8 @@ def model_card(
 ) -> str:
     """README.md for an ALiBi checkpoint: the Hub's metadata header, how to load it, the settings.
 
-    ``base_model`` is the Hub id the checkpoint was converted from; by default the config's
-    ``_name_or_path`` when it looks like a Hub id (a local path is left out of the header). ``recovery``:
+    ``base_model`` is the Hub id the checkpoint was converted from; by default where the config was loaded from
+    (``compat.name_or_path``) when it looks like a Hub id (a local path is left out of the header). ``recovery``:
     the section that says how the checkpoint was recovered (:func:`hf_alibi.recover.recovery_card_section`),
     for a recovered one. What the card says about training follows from the settings (:func:`training_note`).
     """

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from ..core.compat import auto_class_names, relative_import_files
+from ..core.compat import auto_class_names
 from ..core.config import get_settings
 from ..core.strategies import STRATEGIES
+from .compat import relative_import_files
 
 logger = logging.get_logger(__name__)
 

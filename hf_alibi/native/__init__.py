@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core.bias import AlibiBias
-from ..core.compat import store_attn_implementation
+from ..core.compat import attn_implementation, store_attn_implementation
 from ..core.config import rebind_config
 from ..core.forward import ForwardSetup, SharedByLayers, hook_base
 from ..core.slopes import CAUSAL, KeyRounding
@@ -119,6 +119,6 @@ def patch_native(model: PreTrainedModel, row: NativeArchitecture) -> PreTrainedM
     if base is not model:  # a direct call of the base; first: the rows are read from the 2D padding mask
         hook_base(base, setup, first=True)
         base.register_forward_pre_hook(_record_base_attentions, with_kwargs=True)  # after hook_base made the forward
-    if config._attn_implementation in (None, "eager") and not config.output_attentions:
+    if attn_implementation(config) in (None, "eager") and not config.output_attentions:
         store_attn_implementation(config, "sdpa")
     return model

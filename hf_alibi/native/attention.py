@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..core.compat import CACHE_ARGUMENTS, cache_argument, is_exporting
+from ..core.compat import CACHE_ARGUMENTS, attn_implementation, cache_argument, is_exporting
 from ..core.forward import KEYWORD, bound_arguments, forward_of
 from ..core.kernels import PADDING, kernel
 from ..core.mask import attends
@@ -57,7 +57,7 @@ class NativeAlibiAttention(nn.Module):
         row = self._native_row
         values = {**dict(zip(self._native_arguments, args)), **kwargs}
         forward = forward_of(self.alibi, values)  # the model's blocks pass no keyword arguments: the running one
-        backend = self.config._attn_implementation
+        backend = attn_implementation(self.config)
         if backend != "eager" and (values.get("output_attentions") or forward.attentions):
             backend = "eager"  # as transformers' own code of these models: the weights are asked for, eager has them
         mask = values.get("attention_mask")

@@ -11,9 +11,9 @@ from transformers import PreTrainedModel
 
 from ..core.batching import LAYER_ARGUMENTS, make_manager
 from ..core.bias import AlibiBias
-from ..core.compat import block_mask_free_generate_masks
+from ..core.compat import ATTN_IMPLEMENTATION_SETTABLE, block_mask_free_generate_masks
 from ..core.forward import KEYWORD, CheckpointsInForward, bound_arguments, call_forward
-from ..core.kernels import KERNELS, kernel_refusal, refusal
+from ..core.kernels import KERNELS, SUPPORT_FLAGS, kernel_refusal, refusal
 from ..core.names import check_backend
 from ..core.slopes import CAUSAL
 from .attention import NativeAlibiAttention, boolean_causal_mask
@@ -111,7 +111,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             # transformers' per-backend flags, read off the kernel table: a flag is set where one of its backends
             # renders this row's bias (Falcon's rounded bias: no flash kernel)
             **{flag: any(name in backends for name in names) for flag, names in SUPPORT_FLAGS.items()},
-            "_can_set_attn_implementation_cached_value": True,
+            **ATTN_IMPLEMENTATION_SETTABLE,
             # engines that run transformers models through their own attention function would drop the bias
             "_supports_attention_backend": False,
             "_native_original": original,
@@ -136,14 +136,6 @@ def _record_base_attentions(base: nn.Module, args: tuple, kwargs: dict) -> None:
     # a base model called directly (past its task head): its pre-hook put the forward in its keyword arguments
     if (forward := kwargs.get(KEYWORD)) is not None:
         record_attentions(base, forward, args, kwargs)
-
-
-# transformers' flag on a model class that lets it take each backend (eager needs none)
-SUPPORT_FLAGS = {
-    "_supports_sdpa": ("sdpa",),
-    "_supports_flex_attn": ("flex_attention",),
-    "_supports_flash_attn": ("flash_attention_2", "flash_attention_3", "flash_attention_4"),
-}
 
 
 def rendering_backends(row: NativeArchitecture) -> tuple[str, ...]:

@@ -13,10 +13,10 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, default_data_collator
 from transformers.trainer_callback import PrinterCallback
 
-from ..core.compat import name_or_path
 from ..core.config import get_settings
 from ..core.names import is_alibi
 from ..fit import fit_slopes
+from ..hub.compat import name_or_path
 from ..patch import ConversionPlan, patch_model, plan_conversion
 from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame

@@ -6,10 +6,23 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer
 
-from ..core.compat import loss_is_per_batch_mean
 from .kinds import CAUSAL_MODEL, HIDDEN_LAYERS, SEQ2SEQ_MODEL, model_kind
 from .losses import distillation_loss
 from .warm_start import PositionWarmStart
+
+
+def loss_is_per_batch_mean(trainer) -> None:
+    """Tell a ``Trainer`` whose ``compute_loss`` returns a per-batch mean (not a sum over the
+    ``num_items_in_batch`` of the accumulated batches) to divide it by the gradient accumulation steps.
+
+    ``Trainer.training_step`` divides when ``loss_is_scaled_for_ga`` (a class attribute of later 5.x
+    releases; ``None`` = decide) is False, else, like the releases before it, when not
+    ``model_accepts_loss_kwargs and num_items_in_batch is not None`` and there is no ``compute_loss_func``.
+    Setting both makes every 5.x divide; ``model_accepts_loss_kwargs`` False also stops the Trainer from
+    counting the batch's items for a loss that does not use them. Checked on transformers 5.19.0, 5.23.0, 5.24.0."""
+    trainer.model_accepts_loss_kwargs = False
+    if hasattr(type(trainer), "loss_is_scaled_for_ga"):
+        trainer.loss_is_scaled_for_ga = False
 
 
 class DistillationTrainer(Trainer):

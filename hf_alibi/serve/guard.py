@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 
+from .compat import cancel_cb_request, cb_requests
 from .request_checks import (
     CAP_OPTION,
     CHAT,
@@ -174,34 +175,10 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def cancel_cb_request(generation_state, request_id: str) -> None:
-    """Drop ``request_id`` from transformers' batching worker (``ContinuousBatchingManager.cancel_request``, reached
-    through ``GenerationState._cb_manager._cb``: a serving shim, private, checked on transformers 5.24.0)."""
-    manager = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
-    if manager is not None:
-        manager.cancel_request(request_id)
-
-
 def load(in_flight: int, generation_state) -> dict:
     """``GET /hf-alibi/load``'s answer: ``in_flight``, the generation requests inside transformers' handlers now (a
     stream counts until its generation has stopped), and ``continuous_batching`` (:func:`cb_requests`)."""
     return {"in_flight": in_flight, "continuous_batching": cb_requests(generation_state)}
-
-
-def cb_requests(generation_state) -> dict | None:
-    """transformers' continuous-batching scheduler's requests (``active``: in the batch, holding cache blocks;
-    ``waiting``; ``cancelling``: asked to stop, not yet removed) and the cache blocks in their block tables
-    (``cache_blocks_held``; complete blocks kept for prefix reuse, free to evict, are not counted), or None where no
-    batching worker runs. A serving shim: it reads ``GenerationState._cb_manager._cb.batch_processor.scheduler``
-    (private; checked on transformers 5.24.0), each step with a default, so another release answers None."""
-    manager = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
-    scheduler = getattr(getattr(manager, "batch_processor", None), "scheduler", None)
-    cache = getattr(scheduler, "cache", None)
-    if cache is None:
-        return None
-    held = sum(len(table) for a in cache.cache_allocators.values() for table in list(a.block_table.values()))
-    return {"active": len(scheduler.active_requests), "waiting": len(scheduler.waiting_requests),
-            "cancelling": len(getattr(scheduler, "_requests_to_cancel", ())), "cache_blocks_held": held}  # fmt: skip
 
 
 async def _answer(send, status: int, payload: dict, extra: list | None = None) -> None:
@@ -254,7 +231,7 @@ def watch_worker(generation_state) -> threading.Thread:
     """A daemon thread that ends the process, with one line and :data:`WORKER_DIED_STATUS`, once transformers'
     continuous-batching worker is dead (``GenerationState.is_cb_alive()``; True while none was started)."""
 
-    from ..core.compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
+    from .compat import cb_worker_fatal_error  # here: the command line's front reads this module without torch
 
     def watch():
         while generation_state.is_cb_alive():
@@ -271,7 +248,7 @@ def watch_worker(generation_state) -> threading.Thread:
 
 
 def guarded_build_server(build_server, tokenizer, limits: Limits, pinned: str):
-    """transformers' ``build_server`` (replaced through ``compat.wrap_server_builder``), its app given
+    """transformers' ``build_server`` (replaced through ``serve.compat.wrap_server_builder``), its app given
     :class:`RequestGuard` and its generation state :func:`watch_worker`."""
     signature = inspect.signature(build_server)
 

@@ -128,7 +128,7 @@ def serve(model: str, arguments: list[str], limits: Limits = DEFAULTS) -> None:
     checked and bounded first (``limits``: new and prompt tokens, body bytes, read and idle timeouts, which the
     command line reads from ``hf-alibi serve``'s flags), and the process ended if the continuous-batching worker dies
     (:mod:`hf_alibi.serve.guard`, :mod:`hf_alibi.serve.connections`)."""
-    from ..core.compat import serving_available, transformers_cli_app, wrap_server_builder
+    from .compat import serving_available, transformers_cli_app, wrap_server_builder
     from .connections import bound_connections
     from .guard import guarded_build_server, say, start_lines
 

@@ -2,6 +2,7 @@
 must match the ``_supports_*`` flags of every registered architecture's classes, and a converted model set to
 a backend its class refuses must fail clearly and stay usable."""
 
+import inspect
 import re
 
 import pytest
@@ -10,21 +11,39 @@ import transformers
 from arch_cases import CASES
 from packaging import version
 from sharing import REPO_ROOT, output_tensor
+from transformers import PreTrainedModel
 
 import hf_alibi
-from hf_alibi.core.kernels import RUNNING_BACKENDS
+from hf_alibi.core.kernels import KERNELS, RUNNING_BACKENDS
 from hf_alibi.registry import alibi_classes
 
-# transformers' flag per backend (eager has none: every model has it; every flash version reads one flag), for each
-# backend of the kernel table
-FLAGS = {
-    "eager": None,
-    "sdpa": "_supports_sdpa",
-    "flex_attention": "_supports_flex_attn",
-    "flash_attention_2": "_supports_flash_attn",
-    "flash_attention_4": "_supports_flash_attn",
-    "cudnn": None,  # hf_alibi's own name (dispatch.register_backends): transformers takes it for every model
-}
+# transformers' flag per backend of the kernel table that runs (its row's ``flag``; None: every model takes it)
+FLAGS = {kernel.name: kernel.flag for kernel in KERNELS if kernel.runs}
+
+
+def transformers_flag(backend: str) -> str | None:
+    """The ``_supports_*`` flag transformers itself checks before a model takes ``backend``, read from its source:
+    ``PreTrainedModel.get_correct_attn_implementation`` sends a ``flash_attention_<n>`` name to
+    ``_flash_attn_can_dispatch``, a flex one to ``_flex_attn_can_dispatch``, an sdpa one to ``_sdpa_can_dispatch``,
+    and checks no flag for eager or a name registered by a library (transformers 5.19 and 5.24)."""
+    source = inspect.getsource(PreTrainedModel.get_correct_attn_implementation)
+    if re.fullmatch(r"flash_attention_\d", backend):
+        check = "_flash_attn_can_dispatch"
+    elif "flex_attention" in backend:
+        check = "_flex_attn_can_dispatch"
+    elif "sdpa" in backend:
+        check = "_sdpa_can_dispatch"
+    else:
+        return None
+    assert check in source, f"transformers no longer sends {backend} to {check}"
+    flags = set(re.findall(r"self\.(_supports_\w+)", inspect.getsource(getattr(PreTrainedModel, check))))
+    assert len(flags) == 1, (backend, flags)
+    return flags.pop()
+
+
+def test_the_kernel_tables_flags_are_the_ones_transformers_checks():
+    for kernel in KERNELS:
+        assert kernel.flag == transformers_flag(kernel.name), kernel.name
 
 
 def documented_table() -> dict[str, tuple[set[str], set[str]]]:

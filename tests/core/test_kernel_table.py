@@ -40,9 +40,10 @@ def test_registration_follows_the_rows():
         else:
             with pytest.raises(NotImplementedError, match=f"no ALiBi path for attn_implementation='{row.name}'"):
                 registered(None, None, None, None, None)
-    assert names.RUNNING_BACKENDS == RUNNING_BACKENDS == ("eager", "sdpa", "flex_attention", "flash_attention_2",
-                                                           "flash_attention_4", "cudnn")  # fmt: skip
-    assert REFUSED_BACKENDS == ("flash_attention_3",) and PAGED_BACKENDS == ("eager", "sdpa")
+    assert names.RUNNING_BACKENDS == RUNNING_BACKENDS == tuple(row.name for row in KERNELS if row.runs)
+    assert REFUSED_BACKENDS == tuple(row.name for row in KERNELS if not row.runs)
+    # continuous batching's bias: on the merged-mask kernels (tests/core/test_batching.py runs each)
+    assert PAGED_BACKENDS == ("eager", "sdpa")
 
 
 def test_the_names_resolve_with_either_prefix_and_others_are_refused_in_one_line():

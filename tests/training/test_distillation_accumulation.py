@@ -1,5 +1,5 @@
 """DistillationTrainer under gradient accumulation: its loss is a per-batch mean, so the Trainer must divide
-it by the accumulation steps (core/compat.py's loss_is_per_batch_mean, for every transformers 5.x)."""
+it by the accumulation steps (recover/trainer.py's loss_is_per_batch_mean, for every transformers 5.x)."""
 
 import copy
 

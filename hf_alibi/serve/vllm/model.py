@@ -18,6 +18,7 @@ from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 from vllm.model_executor.models.transformers.fusers.attention import VLLM_ATTN_IMPL
 from vllm.platforms import current_platform
 
+from ...core.compat import assign_attn_implementation
 from ...core.names import grant_engine
 from ...core.slopes import CAUSAL
 from .internals import layer_backends, layer_refusal, platform_name
@@ -39,7 +40,7 @@ class AlibiForCausalLM(TransformersForCausalLM):
         if any(getattr(m, "hf_alibi_sink_fold", None) is not None for m in self.modules()):
             # built (vLLM's fusers accept only its own name while building): now each layer calls the fold first
             grant_engine(self.text_config, SINKS_ATTN_IMPL)
-            self.text_config._attn_implementation = SINKS_ATTN_IMPL
+            assign_attn_implementation(self.text_config, SINKS_ATTN_IMPL)
 
     def _patch_config(self):
         check(self.config)  # again here: the engine process may be reached without the config hook
