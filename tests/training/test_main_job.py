@@ -6,8 +6,9 @@ the install steps before ``python``, runs it in a fresh folder with a fresh cach
 on a fresh clone) with torch's two intra-op threads, as on the 2-core machine the docs were measured on (another count
 sums in another order: one thread moves a last digit), and asserts that each line of the docs' block is a line the
 job printed, in order: a figure changed by one in its last digit fails here. Then ``hf-alibi compare`` measures the
-job's model against its unconverted baseline (README's command without ``--alibi``) and gives the job's own
-validation figures, its table says what its JSON says, and the plot is a PNG.
+job's model against its unconverted baseline (README's command without ``--alibi``): it reads the job's own validation
+figures to 0.5% (its text joins the split's files, the job ends each with EOS), its table says what its JSON says, and
+the plot is a PNG.
 """
 
 from __future__ import annotations
@@ -113,13 +114,15 @@ def test_compare_measures_the_main_job_against_its_baseline(main_job):
     assert (folder / "cmp" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     base, alibi = results["models"]
     assert alibi["native"] == 128  # the length it was trained at (eval_results.json), marked on the plot
-    # the job's own validation table (non-overlapping, the first 8192 tokens): compare reads the same tokens
+    # the job's own validation table (non-overlapping, the first 8192 tokens), an independent measure of the same model
+    # on nearly the same tokens: the job tokenizes each file and ends it with EOS, compare tokenizes the split's text
+    # joined (182.045 against 181.994 at 128), so they agree to 0.5%, not to the digit
     job = {line.split("|")[0].strip(): line.split("|")[1].strip() for line in stdout.split("validation (")[1]
-           .split("test (")[0].splitlines() if line.strip()[:1].isdigit()}  # fmt: skip
+           .split("test (")[0].splitlines() if "|" in line and line.strip()[:1].isdigit()}  # fmt: skip
     table = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith("ppl@")}
     for length in lengths:
         figure = alibi["perplexity"]["nonoverlapping"][length]["perplexity"]
-        assert f"{figure:.3f}" == job[length], (length, figure, job[length])
+        assert figure == pytest.approx(float(job[length]), rel=5e-3), (length, figure, job[length])
         base_figure = base["perplexity"]["nonoverlapping"][length]["perplexity"]
         row = table[f"ppl@{length}"]  # name, protocol, baseline, main job, ratio
         assert row[2:] == [f"{base_figure:.3f}", f"{figure:.3f}", f"{figure / base_figure:.3f}"], row
