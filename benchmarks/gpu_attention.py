@@ -66,6 +66,22 @@ class Layer(nn.Module):
         self.is_causal = True
 
 
+def _kernel_arm(backend: str, heads: int, device: torch.device, dropout: float) -> Callable:
+    """hf_alibi's ALiBi function for ``backend`` (its ``alibi_<backend>`` registration) on a layer of the "auto"
+    path, as transformers calls it: (q, k, v) -> output; ``.layer`` is the layer (called from :func:`make_arm`, which
+    imports hf_alibi: the registrations)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    layer = Layer(heads, "auto").to(device).train()
+    run = ALL_ATTENTION_FUNCTIONS[f"alibi_{backend}"]
+
+    def kernel(q, k, v):
+        return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
+
+    kernel.layer = layer
+    return kernel
+
+
 def make_arm(arm: str, heads: int, length: int, device: torch.device, dropout: float = 0.0) -> Callable | str:
     """A function of (q, k, v) -> output for this arm (with attention dropout ``dropout``), or why it cannot run."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -112,14 +128,7 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device, dropout: f
             return "FA4 needs Hopper or Blackwell"
         if arm == "fa4-plain":
             return lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)[0]
-        layer = Layer(heads, "auto").to(device).train()
-        run = ALL_ATTENTION_FUNCTIONS["alibi_flash_attention_4"]
-
-        def fa4(q, k, v):
-            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
-
-        fa4.layer = layer
-        return fa4
+        return _kernel_arm("flash_attention_4", heads, device, dropout)
     if arm == "cudnn":
         from hf_alibi.core.cudnn import cudnn_frontend  # the one place that finds the cuDNN frontend
 
@@ -127,14 +136,7 @@ def make_arm(arm: str, heads: int, length: int, device: torch.device, dropout: f
             cudnn_frontend(device)
         except ImportError:
             return "nvidia-cudnn-frontend not installed (.[cuda])"
-        layer = Layer(heads, "auto").to(device).train()
-        run = ALL_ATTENTION_FUNCTIONS["alibi_cudnn"]
-
-        def cudnn(q, k, v):
-            return run(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5, dropout=dropout)[0]
-
-        cudnn.layer = layer
-        return cudnn
+        return _kernel_arm("cudnn", heads, device, dropout)
     path = "bias" if arm == "bias" else "folded"
     layer = Layer(heads, path).to(device).train()
     run = ALL_ATTENTION_FUNCTIONS["alibi_sdpa"]

@@ -164,32 +164,24 @@ def test_the_three_alibi_predicates_are_one_and_the_old_names_warn(old):
         assert getattr(hf_alibi, old) is hf_alibi.is_alibi
 
 
-def test_the_old_name_of_the_jobs_module_warns_and_is_the_same_module():
-    """hf_alibi.jobs moved into the command line's package (hf_alibi/cli/jobs.py): its old name is an alias for one
-    release (CONTRIBUTING: deprecated names)."""
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("hf_alibi.jobs", "hf_alibi.cli.jobs", "recover_checkpoint"),  # the command line: one package (hf_alibi/cli/)
+        ("hf_alibi.evaluation", "hf_alibi.evaluate.lengths", "evaluate_lengths"),  # evaluation is one wing
+    ],
+    ids=["jobs", "evaluation"],
+)
+def test_a_moved_modules_old_name_warns_and_is_the_same_module(old, new, name):
+    """A module moved into its wing keeps its old name as an alias for one release (CONTRIBUTING: deprecated names):
+    importing it warns with FutureWarning once and gives the same module object, its names included."""
     code = (
-        "import warnings, hf_alibi.cli.jobs as new\n"
+        f"import warnings, {new} as new\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
-        "    import hf_alibi.jobs as old\n"
-        "    from hf_alibi.jobs import recover_checkpoint\n"
-        "assert old is new and recover_checkpoint is new.recover_checkpoint\n"
-        "assert [w.category for w in caught] == [FutureWarning], caught\n"
-    )
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert child.returncode == 0, child.stderr[-2000:]
-
-
-def test_the_old_name_of_the_evaluation_module_warns_and_is_the_same_module():
-    """hf_alibi.evaluation moved into the evaluation wing (hf_alibi/evaluate/lengths.py): its old name is an alias for
-    one release (CONTRIBUTING: deprecated names)."""
-    code = (
-        "import warnings, hf_alibi.evaluate.lengths as new\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import hf_alibi.evaluation as old\n"
-        "    from hf_alibi.evaluation import evaluate_lengths\n"
-        "assert old is new and evaluate_lengths is new.evaluate_lengths\n"
+        f"    import {old} as old\n"
+        f"    from {old} import {name}\n"
+        f"assert old is new and {name} is new.{name}\n"
         "assert [w.category for w in caught] == [FutureWarning], caught\n"
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
