@@ -21,6 +21,7 @@ from typing import Any
 
 from .core.names import ENCODER_VARIANTS, SYMMETRIC
 from .core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, presets
+from .patches import absolute, native, relative, rotary
 
 # Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets)
 PRESETS: dict[str, dict[str, Any]] = presets()
@@ -37,6 +38,19 @@ class HeadsMismatch(ValueError):
             f"heads={given} does not match the model's {found} attention heads (config.num_attention_heads); ALiBi "
             f"needs one slope per head. Pass heads={found} or omit it."
         )
+
+
+def builtin_rows() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The built-in rows (``hf_alibi.patches``, plain data: read without torch), the one loader of them: the
+    converted types' ``Architecture`` rows and the ``NativeArchitecture`` rows of the types trained with ALiBi, each
+    by ``model_type``.
+
+    >>> converted, trained_with_alibi = builtin_rows()
+    >>> converted["gpt2"].strategy, sorted(trained_with_alibi)
+    ('absolute', ['bloom', 'falcon', 'mpt'])
+    """
+    converted = {row.model_type: row for module in (absolute, relative, rotary) for row in module.ROWS}
+    return converted, {row.model_type: row for row in native.ROWS}
 
 
 def config_heads(config: Mapping[str, Any]) -> int | None:

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoints import is_alibi
 from .core.architectures import find_architecture
 from .core.config import LENGTH_FIELDS, MODEL_TYPE_PREFIX
+from .core.names import is_alibi
 from .core.strategies import find_modules, table_rows
 
 

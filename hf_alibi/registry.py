@@ -26,16 +26,15 @@ from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
 from .core.conversion import alibi_model_class
 from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
 from .native import NativeArchitecture
-from .patches import absolute, native, relative, rotary
+from .planning import builtin_rows
 
 MODELS_MODULE = "hf_alibi.models"
-# The built-in rows, as hf_alibi.patches lists them (one module per strategy).
-ARCHITECTURES: dict[str, Architecture] = {
-    row.model_type: row for row in (*absolute.ROWS, *relative.ROWS, *rotary.ROWS)
-}
-# The model types trained with ALiBi (hf_alibi.patches.native): nothing to convert, patch_model runs their attention
-# on hf_alibi's paths (hf_alibi.native); they keep their config class and type, so nothing is registered for them.
-NATIVE_ARCHITECTURES: dict[str, NativeArchitecture] = {row.model_type: row for row in native.ROWS}
+# The built-in rows, as hf_alibi.patches lists them (one module per strategy), and the model types trained with ALiBi
+# (hf_alibi.patches.native): nothing to convert, patch_model runs their attention on hf_alibi's paths
+# (hf_alibi.native); they keep their config class and type, so nothing is registered for them.
+ARCHITECTURES: dict[str, Architecture]
+NATIVE_ARCHITECTURES: dict[str, NativeArchitecture]
+ARCHITECTURES, NATIVE_ARCHITECTURES = builtin_rows()
 
 # model_type -> Alibi<Config> (made at registration); model_type -> {transformers class: Alibi class}
 # (made when the row is first used)

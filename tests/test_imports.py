@@ -129,7 +129,7 @@ def test_a_module_imports_first_in_a_fresh_interpreter(name):
 
 
 def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
-    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
+    code = "import sys, transformers, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
@@ -186,3 +186,45 @@ def test_a_moved_modules_old_name_warns_and_is_the_same_module(old, new, name):
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
+
+
+REGISTERED = """
+import sys
+{first}
+from transformers import CONFIG_MAPPING
+print("alibi_gpt2" in CONFIG_MAPPING, "alibi_sdpa" in __import__("transformers").AttentionInterface._global_mapping)
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import hf_alibi",  # hf_alibi before transformers: registered once transformers is imported
+        "import transformers; import hf_alibi",  # transformers first: registered by the import of hf_alibi
+        "from hf_alibi.registry import get_architecture",  # a module of hf_alibi first (it imports transformers)
+        "from hf_alibi.evaluate import lengths",  # a wing whose import loads transformers
+        "import hf_alibi.models",  # what a pickle of an Alibi<Class> imports
+    ],
+)
+def test_importing_hf_alibi_registers_whichever_comes_first(first):
+    """``import hf_alibi`` is light, and what it promises holds: hf_alibi's model types and attention functions are
+    registered with transformers (``AutoModel.from_pretrained(converted folder)`` after ``import hf_alibi``)."""
+    child = subprocess.run([sys.executable, "-c", REGISTERED.format(first=first)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "True True", (first, child.stdout)
+
+
+def test_import_hf_alibi_is_light_and_no_module_runs_twice():
+    """``import hf_alibi`` loads neither torch nor transformers (the command line's answers come first); after the
+    command line and a job's library are imported, every file of hf_alibi is one module object (no copy under another
+    name: a moved module's old name is the same object)."""
+    code = (
+        "import sys, hf_alibi; light = not {'torch', 'transformers'} & set(sys.modules); "
+        "import hf_alibi.cli, hf_alibi.cli.jobs, hf_alibi.jobs; "
+        "mods = [m for m in list(sys.modules.values()) if 'hf_alibi' in (getattr(m, '__file__', None) or '')]; "
+        "files = {m.__file__: set() for m in mods}; [files[m.__file__].add(id(m)) for m in mods]; "
+        "print(light, sorted(f for f, ids in files.items() if len(ids) > 1))"
+    )
+    child = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "True []"

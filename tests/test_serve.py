@@ -235,7 +235,7 @@ def test_serve_needs_a_converted_model_first(tmp_path, capsys):
 def test_serve_without_the_serving_extras_says_what_to_install(folder):
     """transformers' own check (is_serve_available) finds no fastapi: one line naming the extra, before MODEL loads
     (transformers' server would raise its ImportError, a whole traceback, after loading it)."""
-    code = "import sys; sys.modules['fastapi'] = None; import hf_alibi_boot as b; sys.exit(b.main(sys.argv[1:]))"
+    code = "import sys; sys.modules['fastapi'] = None; import hf_alibi.cli as b; sys.exit(b.main(sys.argv[1:]))"
     child = subprocess.run(
         [sys.executable, "-c", code, "serve", str(folder), "--port", "8000"], capture_output=True, text=True,
         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -124,7 +124,7 @@ def test_serve_engine_vllm_without_vllm_is_one_line_before_anything_loads(tmp_pa
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the vllm tier serves with it")
     tiny_llama().save_pretrained(tmp_path / "m")
-    code = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main(sys.argv[1:])); "
+    code = "import sys, hf_alibi.cli; sys.exit(hf_alibi.cli.main(sys.argv[1:])); "
     run = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "m"), "--engine", "vllm"],
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [

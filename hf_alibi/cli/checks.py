@@ -10,7 +10,6 @@ neither torch nor transformers (tests/test_cli_startup.py).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported,
     HEAD_FIELDS,
     HeadsMismatch,
     applies,
+    builtin_rows,
     check_heads,
     config_fields,
     config_heads,
@@ -36,8 +36,6 @@ from ..serve.request_checks import LIMIT_FLAGS, Limits
 from .parser import SERVE_FLAGS, SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# the patches modules of the converted rows (hf_alibi.patches; patches/native.py imports hf_alibi.native, and so torch)
-_ROW_MODULES = ("absolute", "relative", "rotary")
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -130,14 +128,9 @@ def _local_config(src: str) -> dict[str, Any]:
 
 
 def builtin_row(model_type: str | None):
-    """The built-in architecture row of ``model_type`` (hf_alibi.patches: plain data, read without torch), or
-    ``None`` (not a converted type: the job says what it is)."""
-    package = __name__.partition(".")[0]  # hf_alibi, or the command line's copy of its folder (hf_alibi_boot)
-    for name in _ROW_MODULES:
-        for row in importlib.import_module(f"{package}.patches.{name}").ROWS:
-            if row.model_type == model_type:
-                return row
-    return None
+    """The built-in architecture row of ``model_type`` (:func:`hf_alibi.planning.builtin_rows`: plain data, read
+    without torch), or ``None``: not a converted type (a type trained with ALiBi included: the job says what it is)."""
+    return builtin_rows()[0].get(model_type)
 
 
 def _check_push_arguments(args) -> None:
