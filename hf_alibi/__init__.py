@@ -18,19 +18,9 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the homes of the lazy names (tests/test_imports.py reads them from here)
-    from .core.architectures import Architecture  # noqa: F401
-    from .core.bias import AlibiBias, set_attention_path  # noqa: F401
-    from .core.config import get_settings  # noqa: F401
-    from .core.dispatch import register_backends  # noqa: F401
-    from .core.names import is_alibi  # noqa: F401
-    from .core.settings import AlibiSettings  # noqa: F401
-    from .core.slopes import alibi_bias, get_slopes, get_slopes_list  # noqa: F401
-    from .core.version import __version__  # noqa: F401
-    from .fit import fit_slopes  # noqa: F401
-    from .gguf import export_gguf  # noqa: F401
-    from .hub.saving import AlibiPreTrainedMixin  # noqa: F401
-    from .patch import ConversionPlan, patch_model, plan_conversion  # noqa: F401
-    from .registry import (  # noqa: F401
+    from .convert.fit import fit_slopes  # noqa: F401
+    from .convert.patch import ConversionPlan, patch_model, plan_conversion  # noqa: F401
+    from .convert.registry import (  # noqa: F401
         ARCHITECTURES,
         get_architecture,
         get_native_architecture,
@@ -40,6 +30,16 @@ if TYPE_CHECKING:  # the homes of the lazy names (tests/test_imports.py reads th
         set_model_bases,
         supported_model_types,
     )
+    from .core.architectures import Architecture  # noqa: F401
+    from .core.bias import AlibiBias, set_attention_path  # noqa: F401
+    from .core.config import get_settings  # noqa: F401
+    from .core.dispatch import register_backends  # noqa: F401
+    from .core.names import is_alibi  # noqa: F401
+    from .core.settings import AlibiSettings  # noqa: F401
+    from .core.slopes import alibi_bias, get_slopes, get_slopes_list  # noqa: F401
+    from .core.version import __version__  # noqa: F401
+    from .export.gguf import export_gguf  # noqa: F401
+    from .hub.saving import AlibiPreTrainedMixin  # noqa: F401
 
 # public name -> the module that holds it (imported on first use)
 _HOMES = {
@@ -54,18 +54,18 @@ _HOMES = {
     "get_slopes": "core.slopes",
     "get_slopes_list": "core.slopes",
     "__version__": "core.version",
-    "fit_slopes": "fit",
-    "export_gguf": "gguf",
+    "fit_slopes": "convert.fit",
+    "export_gguf": "export.gguf",
     "AlibiPreTrainedMixin": "hub.saving",
-    "ConversionPlan": "patch",
-    "patch_model": "patch",
-    "plan_conversion": "patch",
+    "ConversionPlan": "convert.patch",
+    "patch_model": "convert.patch",
+    "plan_conversion": "convert.patch",
     **dict.fromkeys(
-        ["ARCHITECTURES", "get_architecture", "get_native_architecture", "native_model_types"], "registry"
+        ["ARCHITECTURES", "get_architecture", "get_native_architecture", "native_model_types"], "convert.registry"
     ),
     **dict.fromkeys(
         ["register_architecture", "register_builtin_architectures", "set_model_bases", "supported_model_types"],
-        "registry",
+        "convert.registry",
     ),
 }
 
@@ -95,10 +95,23 @@ __all__ = [
 
 # Names that moved keep an alias for one release (CONTRIBUTING: deprecated names)
 _MOVED = {"is_alibi_config": "is_alibi", "is_alibi_model": "is_alibi"}
-# Modules that moved: old name -> (new name, warns). ``import hf_alibi.<old>`` gives the new module itself (_Aliases).
+# Modules that moved into their wings: old name -> (new name, warns). ``import hf_alibi.<old>`` gives the module at its
+# new name, the same object (_Aliases). Two names stay without a warning: hf_alibi.models, the name the Alibi<Class>
+# classes carry (their __module__: pickles and user code name it), and hf_alibi.data, which the notebooks import.
 _MOVED_MODULES = {
+    "models": ("convert.models", False),
+    "data": ("train.data", False),
     "jobs": ("cli.jobs", True),
     "evaluation": ("evaluate.lengths", True),
+    "patch": ("convert.patch", True),
+    "planning": ("convert.planning", True),
+    "registry": ("convert.registry", True),
+    "positions": ("convert.positions", True),
+    "fit": ("convert.fit", True),
+    "gguf": ("export.gguf", True),
+    "checkpoints": ("hub.checkpoints", True),
+    "distributed": ("train.distributed", True),
+    "training": ("train.length_scaling", True),
 }
 
 
@@ -132,16 +145,16 @@ _state = {"registered": False, "registering": False}
 def _register() -> None:
     """Register hf_alibi with transformers (idempotent): the ``alibi_<backend>`` attention functions, the saving
     mixin of every ``Alibi<Class>``, the built-in rows' ``Alibi<Config>`` types (their model classes are made on
-    first use: hf_alibi/registry.py). Imports torch and transformers."""
+    first use: hf_alibi/convert/registry.py). Imports torch and transformers."""
     if _state["registered"] or _state["registering"]:
         return
     _state["registering"] = True
     if _WATCH in sys.meta_path:
         sys.meta_path.remove(_WATCH)
     try:
+        from .convert.registry import register_builtin_architectures, set_model_bases
         from .core.dispatch import register_backends
         from .hub.saving import AlibiPreTrainedMixin
-        from .registry import register_builtin_architectures, set_model_bases
 
         register_backends()
         set_model_bases(AlibiPreTrainedMixin)  # given to the registry, which imports nothing of hub/

@@ -55,20 +55,20 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import hf_alibi
-from hf_alibi.data import embedded_corpus, embedded_tokenizer
-from hf_alibi.distributed import (
+from hf_alibi.convert.positions import original_length
+from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
+from hf_alibi.export.gguf import OUTTYPES, check_exportable
+from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
+from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
+from hf_alibi.train.data import embedded_corpus, embedded_tokenizer
+from hf_alibi.train.distributed import (
     close_process_group,
     fsdp_requested,
     fsdp_requested_but_not_used,
     is_fsdp2,
     unsharded_copy,
 )
-from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
-from hf_alibi.gguf import OUTTYPES, check_exportable
-from hf_alibi.positions import original_length
-from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
-from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
-from hf_alibi.training import LengthScalingTrainer, scaled_shape
+from hf_alibi.train.length_scaling import LengthScalingTrainer, scaled_shape
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from sharing import REPO_ROOT, run_child
 from tiny import tiny_gpt2
 
 from hf_alibi import cli
-from hf_alibi.data import train_tokenizer
+from hf_alibi.train.data import train_tokenizer
 
 HUB_ID = '"HuggingFaceTB/SmolLM2-135M-Instruct"'
 COMPILE = "torch.compile(model, fullgraph=True)"

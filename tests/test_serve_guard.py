@@ -27,7 +27,7 @@ from test_serve import start, stop
 
 import hf_alibi
 from hf_alibi.cli import main as cli_main
-from hf_alibi.data import train_tokenizer
+from hf_alibi.train.data import train_tokenizer
 
 pytestmark = test_serve.pytestmark  # the serving extra, and the server version hf-alibi serve wraps
 

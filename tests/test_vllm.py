@@ -559,7 +559,7 @@ def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformer
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip(SMOLLM2_SKIP)
-    from hf_alibi.data import embedded_corpus
+    from hf_alibi.train.data import embedded_corpus
 
     original, tokenizer = load_smollm2(gguf)
     converted = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained").eval()

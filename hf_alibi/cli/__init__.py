@@ -9,8 +9,8 @@
 
 The command line is this package: :mod:`~hf_alibi.cli.parser` (every command's flags, from their declarations; the
 one reader of a passed-on option; the one error exit), :mod:`~hf_alibi.cli.checks` (what needs no model: paths,
-texts, option values through :mod:`hf_alibi.planning`), both without torch, and :mod:`~hf_alibi.cli.jobs` (with the
-library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, ``compare`` through
+texts, option values through :mod:`hf_alibi.convert.planning`), both without torch, and :mod:`~hf_alibi.cli.jobs`
+(with the library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, ``compare`` through
 :func:`hf_alibi.evaluate.compare`, and :func:`~hf_alibi.cli.jobs.run`,
 which calls one and reports). This module answers what needs no model (:func:`answer`), then runs the job
 (:func:`run_job`). ``hf-alibi`` is :func:`main` (pyproject.toml's ``[project.scripts]``); ``import hf_alibi`` is light
@@ -34,7 +34,7 @@ import sys
 # Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
 # the command line is parsed, and the help, the version and every error that needs no model answered, before the
 # library is imported (seconds); a job then runs in ``hf_alibi.cli.jobs`` (:func:`run_job`).
-from ..checkpoints import (
+from ..hub.checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
     check_source,
 )

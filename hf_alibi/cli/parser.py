@@ -19,12 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..checkpoints import CheckpointError
 from ..core.names import ENCODER_VARIANTS
 from ..core.settings import conversion_options, flag_spellings, presets
 from ..core.version import __version__
 from ..evaluate.inputs import DEFAULT_LENGTHS, DEFAULT_MAX_TOKENS, DEPTHS, PLOT_FILE, RESULTS_FILE
-from ..gguf import OUTTYPES, GGUFExportError
+from ..export.gguf import OUTTYPES, GGUFExportError
+from ..hub.checkpoints import CheckpointError
 from ..recover.settings import add_setting_flags
 from ..serve.request_checks import Limits
 

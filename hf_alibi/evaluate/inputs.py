@@ -63,7 +63,7 @@ def check_configs(configs: Mapping[str, Mapping[str, Any]]) -> None:
 
 def local_configs(models: Sequence[str]) -> dict[str, dict[str, Any]]:
     """config.json of each model that is a folder here (read as JSON, no transformers); Hub ids are the library's."""
-    from ..checkpoints import check_source, is_local
+    from ..hub.checkpoints import check_source, is_local
 
     configs = {}
     for name in models:

@@ -1,8 +1,8 @@
 """What a conversion will do, from a config alone: the rules of the options, written once, with no torch.
 
-:func:`hf_alibi.plan_conversion` (the library, :mod:`hf_alibi.patch`) and ``hf-alibi convert``'s checks before the
-library loads (:mod:`hf_alibi.cli.checks`, from SRC's config.json read as JSON) both call these, so each rule has one
-home: the head count (:func:`check_heads`), the encoder variant (:func:`encoder_variant_for`) and the option values
+:func:`hf_alibi.plan_conversion` (the library, :mod:`hf_alibi.convert.patch`) and ``hf-alibi convert``'s checks before
+the library loads (:mod:`hf_alibi.cli.checks`, from SRC's config.json read as JSON) both call these, so each rule has
+one home: the head count (:func:`check_heads`), the encoder variant (:func:`encoder_variant_for`) and the option values
 as stored (:func:`resolve_options`: a preset's, where each option applies, the explicit ones over them, an explicit
 ``table_max_wavelength=0`` removing the table). The values' own checks are the settings' (``AlibiSettings``, made
 with them: :func:`~hf_alibi.core.settings.check_pretrained_options`).
@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from .core.names import ENCODER_VARIANTS, SYMMETRIC
-from .core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, presets
-from .patches import absolute, native, relative, rotary
+from ..core.names import ENCODER_VARIANTS, SYMMETRIC
+from ..core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, flag_spellings, presets
+from ..patches import absolute, native, relative, rotary
 
 # Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets)
 PRESETS: dict[str, dict[str, Any]] = presets()
@@ -151,3 +151,19 @@ def _original_length(config) -> int | None:
     from .positions import original_length
 
     return original_length(config)
+
+
+def check_fit_slopes(fit: bool | None, options: dict[str, Any]) -> None:
+    """The one error for slopes asked to be fitted and given at once (``options``: the conversion options given),
+    for ``hf-alibi convert --fit-slopes`` and :func:`~hf_alibi.recover.recover`'s ``fit_slopes``.
+
+    >>> check_fit_slopes(True, {"slope_scale": 0.1})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: --fit-slopes computes the slopes: drop --slope-scale (slope_scale), or fit none ...
+    """
+    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
+    if fit and given:
+        raise ValueError(
+            f"--fit-slopes computes the slopes: drop {' and '.join(flag_spellings(n)[0] for n in given)} "
+            f"({', '.join(given)}), or fit none (recover: --no-fit-slopes, fit_slopes=False)."
+        )

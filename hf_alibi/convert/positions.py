@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from .core.architectures import find_architecture
-from .core.config import LENGTH_FIELDS, MODEL_TYPE_PREFIX
-from .core.names import is_alibi
-from .core.strategies import find_modules, table_rows
+from ..core.architectures import find_architecture
+from ..core.config import LENGTH_FIELDS, MODEL_TYPE_PREFIX
+from ..core.names import is_alibi
+from ..core.strategies import find_modules, table_rows
 
 
 def original_length(config: Mapping[str, Any] | Any) -> int | None:

@@ -7,7 +7,7 @@ gives the same split everywhere, and adding a file never moves another one). The
 tokenizer are cached on disk.
 
 Example:
-    >>> from hf_alibi.data import embedded_corpus, train_tokenizer
+    >>> from hf_alibi.train.data import embedded_corpus, train_tokenizer
     >>> corpus = embedded_corpus()            # DatasetDict: train / validation / test, column "text"
     >>> tokenizer = train_tokenizer(corpus["train"]["text"], vocab_size=8192)
 """

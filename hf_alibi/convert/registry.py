@@ -13,6 +13,7 @@ transformers is modified: only new names are added.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -20,12 +21,12 @@ import transformers
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig
 
-from .core.architectures import REGISTERED, Architecture, find_architecture
-from .core.compat import auto_class_names
-from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
-from .core.conversion import alibi_model_class
-from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .native import NativeArchitecture
+from ..core.architectures import REGISTERED, Architecture, find_architecture
+from ..core.compat import auto_class_names
+from ..core.config import MODEL_TYPE_PREFIX, alibi_config_class
+from ..core.conversion import alibi_model_class
+from ..core.strategies import BUILTIN_STRATEGIES, STRATEGIES
+from ..native import NativeArchitecture
 from .planning import builtin_rows
 
 MODELS_MODULE = "hf_alibi.models"
@@ -165,6 +166,10 @@ def _config_class(row: Architecture) -> type:
         base_config_cls = None
     if base_config_cls is None:
         raise ValueError(f"transformers has no model classes for model_type {row.model_type!r}.")
+    # the classes name MODELS_MODULE as their module: it must be loaded (pickle and transformers read it through
+    # sys.modules; transformers reads the file of a class's module to decide whether set_attn_implementation may
+    # switch it). By name, not an import statement: hf_alibi.models (convert/models.py) imports this module.
+    importlib.import_module(MODELS_MODULE)
     return alibi_config_class(
         base_config_cls, row.model_type, row.removed_config_fields, MODELS_MODULE, bases=(_RegistersModelClasses,)
     )
