@@ -173,7 +173,7 @@ class _AfterImport(importlib.abc.Loader):
     hf_alibi is half imported (registering imports both: it must not meet a module whose body has not run)."""
 
     def __init__(self, loader, name: str):
-        self._loader, self._name = loader, name
+        self._loader, self.module_name = loader, name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -183,7 +183,7 @@ class _AfterImport(importlib.abc.Loader):
         if "transformers" not in sys.modules or _state["registered"] or _state["registering"]:
             return
         for name, other in list(sys.modules.items()):
-            if name != self._name and name.partition(".")[0] in _WATCHED and _initializing(other):
+            if name != self.module_name and name.partition(".")[0] in _WATCHED and _initializing(other):
                 return  # that module's own loader registers once its body has run
         _register()
 

@@ -257,3 +257,18 @@ def test_import_hf_alibi_is_light_and_no_module_runs_twice():
     child = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split("\n")[-2] == "True []"
+
+
+def test_the_planner_runs_without_torch():
+    """hf_alibi.convert.planning is torch-free in every function, not only at module level: a preset's option that is
+    a multiple of the original length asks original_length, which reads the row without torch."""
+    code = (
+        "import sys; from hf_alibi.convert import planning\n"
+        "config = {'model_type': 'roberta', 'max_position_embeddings': 66, 'pad_token_id': 1}\n"
+        "row = planning.builtin_rows()[0]['roberta']\n"
+        "values = planning.resolve_options(planning.config_fields(config), row, 'pretrained')\n"
+        "print(planning.original_length(config), sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "64 []"

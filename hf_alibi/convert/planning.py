@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from ..core.names import ENCODER_VARIANTS, SYMMETRIC
+from ..core.architectures import find_architecture
+from ..core.names import ENCODER_VARIANTS, LENGTH_FIELDS, MODEL_TYPE_PREFIX, SYMMETRIC, is_alibi
 from ..core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, flag_spellings, presets
 from ..patches import absolute, native, relative, rotary
 
@@ -130,7 +131,7 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
         if not applies(f, row, config):
             value = f.default
         if isinstance(value, TimesOriginalLength):
-            length = _original_length(config)
+            length = original_length(config)
             value = value.times * length if length else None
         values[f.name] = value
     values.update({name: value for name, value in explicit.items() if value is not None})
@@ -145,12 +146,34 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     return values
 
 
-def _original_length(config) -> int | None:
-    # only a preset's TimesOriginalLength asks (never hf-alibi's checks before the library, which take no preset):
-    # the one answer lives with the position tables, which need torch (RoBERTa's table has 514 rows for 512)
-    from .positions import original_length
+def original_length(config: Mapping[str, Any] | Any) -> int | None:
+    """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
+    or a model): the row's removed length field less the rows leading its table (RoBERTa's table has
+    ``max_position_embeddings`` rows and numbers positions from ``pad_token_id + 1``: 514 - 1 - 1 = 512 for
+    roberta-base; a null ``pad_token_id`` counts as 0). None where no length is stated (T5: relative
+    positions) and for an ALiBi config (no limit). A type without a row: its stated length as is.
 
-    return original_length(config)
+    >>> original_length(GPT2Config(n_positions=48))
+    48
+    """
+    config = getattr(config, "config", config)  # a model: its config
+    if is_alibi(config):  # its length fields answer "no maximum" (core.config.NO_MAXIMUM), not the original's
+        return None
+    if isinstance(config, Mapping):
+        get = config.get
+    else:
+
+        def get(key, default=None):
+            return getattr(config, key, default)
+
+    model_type = str(get("model_type", "") or "").removeprefix(MODEL_TYPE_PREFIX)
+    row = find_architecture(model_type) or builtin_rows()[0].get(model_type)  # registered, else built in (no torch)
+    fields = [f for f in row.removed_config_fields if f in LENGTH_FIELDS] if row is not None else LENGTH_FIELDS
+    for field in fields:
+        value = get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value - (row.leading_rows(config) if row is not None else 0)
+    return None
 
 
 def check_fit_slopes(fit: bool | None, options: dict[str, Any]) -> None:
