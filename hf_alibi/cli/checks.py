@@ -4,7 +4,7 @@ options' values (against SRC's config.json and its architecture row: :mod:`hf_al
 
 They run before the library is imported, so that every error a user can cause answers at once; the jobs check the
 same again (they are library functions too). Imports only the standard library and hf_alibi's modules that import
-neither torch nor transformers (tests/test_cli_startup.py).
+neither torch nor transformers (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations

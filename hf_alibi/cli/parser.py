@@ -7,7 +7,7 @@ in a command line that is passed on (:func:`take_option`: ``serve``'s); the one 
 from its name.
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers: ``hf-alibi``
-builds this parser before the library is imported (hf_alibi_boot, tests/test_cli_startup.py).
+builds this parser before the library is imported (hf_alibi_boot, tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ as stored (:func:`resolve_options`: a preset's, where each option applies, the e
 with them: :func:`~hf_alibi.core.settings.check_pretrained_options`).
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers
-(``tests/test_cli_startup.py``: ``hf-alibi`` calls this before torch loads). ``config`` is a ``PretrainedConfig`` or
-any object with its fields as attributes (:func:`config_fields`: config.json's).
+(``tests/cli/test_cli_startup.py``: ``hf-alibi`` calls this before torch loads). ``config`` is a ``PretrainedConfig``
+or any object with its fields as attributes (:func:`config_fields`: config.json's).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-# each checked against llama.cpp itself (tests/test_gguf.py); the others differ in their block (norms with an
+# each checked against llama.cpp itself (tests/export/test_gguf.py); the others differ in their block (norms with an
 # offset or bias, scaled embeddings or residuals, q/k norms, non-gated MLPs, mixtures of experts, soft-capping)
 REFACT_TYPES = ("llama", "mistral", "qwen2", "smollm3", "seed_oss", "ernie4_5", "phi3", "glm")
 MPT_TYPES = ("gpt2",)

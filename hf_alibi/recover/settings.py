@@ -11,7 +11,7 @@ The checks that need the teacher's length or several settings at once are :func:
 length limit comes from its config); the lengths themselves are :mod:`hf_alibi.recover.lengths`'.
 
 This module imports only the standard library and :mod:`hf_alibi.core.settings` (neither torch nor transformers):
-``hf-alibi recover --help`` builds its flags from it before the library loads (tests/test_cli_startup.py).
+``hf-alibi recover --help`` builds its flags from it before the library loads (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations

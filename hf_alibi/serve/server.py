@@ -105,7 +105,7 @@ def native_loader(config: dict, model: str) -> type:
 _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained with ALiBi -> its serving subclass
 
 
-# transformers' server whose requests guard.py checks and bounds (tests/test_serve_guard.py): on 5.19 (vLLM's CPU
+# transformers' server whose requests guard.py checks and bounds (tests/serve/test_serve_guard.py): on 5.19 (vLLM's CPU
 # pin) a completion's max_tokens was seen not honoured behind the guard, so the cap would not hold there
 SERVER_CHECKED = "5.24"
 

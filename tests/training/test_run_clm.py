@@ -109,7 +109,7 @@ def _check_gguf(out, text):
     llm.eval(ids[:128])
     with torch.no_grad():
         expected = model(torch.tensor([ids[:128]])).logits[0]
-    # llama.cpp's CPU GELU (mpt) reads an fp16 table: tests/test_gguf.py
+    # llama.cpp's CPU GELU (mpt) reads an fp16 table: tests/export/test_gguf.py
     torch.testing.assert_close(torch.tensor(llm.scores[:128]), expected, rtol=0, atol=3e-4)
 
 

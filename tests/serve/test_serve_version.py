@@ -14,7 +14,7 @@ from hf_alibi.serve.server import SERVER_CHECKED
 
 pytestmark = pytest.mark.skipif(
     version.parse(transformers.__version__) >= version.parse(SERVER_CHECKED),
-    reason=f"transformers {transformers.__version__}: hf-alibi serve runs (tests/test_serve*.py)",
+    reason=f"transformers {transformers.__version__}: hf-alibi serve runs (tests/serve/test_serve*.py)",
 )
 
 
