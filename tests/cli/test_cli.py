@@ -155,7 +155,12 @@ def test_console_script_is_declared_and_runs_as_a_module(gpt2_src, tmp_path):
     out = tmp_path / "alibi"
     assert cli.main(["convert", str(gpt2_src), str(out)]) == 0
     entry = "import sys, hf_alibi.cli; sys.exit(hf_alibi.cli.main())"
-    for command in ([sys.executable, "-m", "hf_alibi"], [sys.executable, "-c", entry]):
+    old_entry = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main())"  # the script of an older install
+    for command in (
+        [sys.executable, "-m", "hf_alibi"],
+        [sys.executable, "-c", entry],
+        [sys.executable, "-c", old_entry],
+    ):
         result = subprocess.run([*command, "info", str(out)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "ALiBi checkpoint of" in result.stdout
