@@ -13,6 +13,7 @@ hf_alibi's core the names are ``alibi_<backend>``; loaded from a checkpoint's re
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -25,12 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from .batching import paged_bias_mask
 from .bias import AUTO, BIAS, FOLDED, PATHS, AlibiBias
 from .compat import base_mask_function, is_exporting, stored_attn_implementation, update_paged_cache_in_attention
-from .cudnn import cudnn_alibi_attention
 from .denormals import bracket, flushed
-from .dense import eager_attention_forward, sdpa_attention_forward
-from .fa4 import fa4_alibi_attention
-from .flash import flash_alibi_attention
-from .flex import flex_alibi_attention
 from .folded import folded_causal_attention, folded_unavailable
 from .forward import forward_of
 from .kernels import KERNELS, MERGED, PADDING, RUNNING_BACKENDS, WHAT_RUNS, check_backend, paged_refusal
@@ -253,19 +249,18 @@ def _unsupported_backend(name: str) -> Callable:
     return forward
 
 
-# the kernels' ALiBi functions, each bound to its row of the table by the name the row gives (kernels.py); their
-# imports are what make save_pretrained copy the kernels' files (transformers follows relative imports)
-_IMPORTED = (
-    eager_attention_forward, sdpa_attention_forward, flex_alibi_attention, flash_alibi_attention, fa4_alibi_attention,
-    cudnn_alibi_attention,
-)  # fmt: skip
+# each running row's function, imported from its file by the names its row gives (kernels.py): a new kernel needs no
+# line here. Relative to this package, whatever its name: hf_alibi.core, or a checkpoint's copy under
+# transformers_modules. The files are copied with a checkpoint by the import lines kernels.py carries for that
 FUNCTIONS: dict[str, Callable] = {
-    row.name: {function.__name__: function for function in _IMPORTED}[row.function] for row in KERNELS if row.runs
+    row.name: getattr(importlib.import_module(f".{row.module}", __package__), row.function)
+    for row in KERNELS
+    if row.runs
 }
 # what layers without ALiBi (cross-attention) run with a merged-mask kernel, with transformers' own mask:
 # transformers' sdpa under its public name; for eager transformers shares no function (each model has its own), and
 # dense.py's adds the additive float mask transformers makes for eager as the models' own functions do
-PLAIN_BACKENDS: dict[str, Callable] = {"eager": eager_attention_forward, "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
+PLAIN_BACKENDS: dict[str, Callable] = {"eager": FUNCTIONS["eager"], "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
 
 
 def register_backends() -> None:

@@ -1,14 +1,14 @@
 """The kernel table: each attention backend hf_alibi knows, and what its ALiBi path renders, written once.
 
 A row is plain data, importing nothing (the command line's parser and the config code read it without torch):
-transformers' backend name, the function in the kernel's file that renders the bias (``dispatch.py`` binds it by this
-name where it registers ``alibi_<name>``), the mask transformers hands it, the bias forms and features it renders,
+transformers' backend name, the function that renders the bias and its file (``dispatch.py`` imports it by these
+names where it registers ``alibi_<name>``), the mask transformers hands it, the bias forms and features it renders,
 and the optional package it needs. Every check of a backend's abilities reads this table: what the config accepts
 (:func:`check_backend`), what a kernel and a native model's ``set_attn_implementation`` refuse (:func:`refusal`),
 what continuous batching runs (:func:`paged_refusal`), and the remote-code test's allowed optional imports.
 
-Adding a kernel is its file, one row here, and its import in ``dispatch.py`` (the import is what makes
-``save_pretrained`` copy the file: transformers follows a checkpoint's relative imports).
+Adding a kernel is its file, one row here and its line in the copier's block below the table (tests check that the
+block and the rows agree), its tests, and its line in the docs' tables.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ _ALL_FORMS = ("causal", "symmetric", "nonsymmetric", "learned")
 class Kernel:
     """One attention backend and what its ALiBi path renders.
 
-    ``name``: transformers' ``attn_implementation``. ``function``: the ALiBi function's name, defined in the kernel's
-    file and imported by ``dispatch.py`` (``None``: the name is known and refused when called). ``mask``: the mask
+    ``name``: transformers' ``attn_implementation``. ``function``: the ALiBi function's name, defined in ``module``,
+    the kernel's file in this package (``"cudnn"``: ``cudnn.py``), where ``dispatch.py`` imports it (both ``None``:
+    the name is known and refused when called). ``mask``: the mask
     transformers makes for it (:data:`MERGED` kernels are handed the bias merged into it). ``forms``: the bias forms
     it renders; ``sinks``, ``rounding`` (a bias rounded per key, ``slopes.KeyRounding``), ``slopes`` (slopes other
     than the paper's: fitted, per-layer), ``packed`` (packed rows, one document each) and ``paged`` (continuous
@@ -39,6 +40,7 @@ class Kernel:
 
     name: str
     function: str | None
+    module: str | None = None
     mask: str = MERGED
     forms: tuple[str, ...] = _ALL_FORMS
     sinks: bool = True
@@ -51,18 +53,25 @@ class Kernel:
     install: str = ""
     flag: str | None = None
 
+    def __post_init__(self):
+        if (self.function is None) != (self.module is None):
+            raise ValueError(f"Kernel {self.name!r}: give its function and its module, or neither (a refused name).")
+
     @property
     def runs(self) -> bool:
         return self.function is not None
 
 
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("eager", "eager_attention_forward", paged=True, label="the eager kernel"),
-    Kernel("sdpa", "sdpa_attention_forward", paged=True, label="the sdpa kernel", flag="_supports_sdpa"),
-    Kernel("flex_attention", "flex_alibi_attention", mask=BLOCK, label="FlexAttention", flag="_supports_flex_attn"),
+    Kernel("eager", "eager_attention_forward", "dense", paged=True, label="the eager kernel"),
+    Kernel("sdpa", "sdpa_attention_forward", "dense", paged=True, label="the sdpa kernel", flag="_supports_sdpa"),
+    Kernel(
+        "flex_attention", "flex_alibi_attention", "flex", mask=BLOCK, label="FlexAttention", flag="_supports_flex_attn"
+    ),
     Kernel(
         "flash_attention_2",
         "flash_alibi_attention",
+        "flash",
         mask=PADDING,
         forms=("causal", "symmetric"),
         sinks=False,
@@ -76,6 +85,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "flash_attention_4",
         "fa4_alibi_attention",
+        "fa4",
         mask=PADDING,
         forms=("causal", "symmetric"),
         sinks=False,
@@ -88,6 +98,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "cudnn",
         "cudnn_alibi_attention",
+        "cudnn",
         mask=PADDING,
         forms=("causal",),
         sinks=False,
@@ -99,6 +110,18 @@ KERNELS: tuple[Kernel, ...] = (
         install="pip install nvidia-cudnn-frontend, or pip install -e '.[cuda]' in a checkout of hf_alibi",
     ),  # fmt: skip
 )
+# Never runs: the lines transformers' remote-code copier reads. save_pretrained (custom_object_save) and a Hub load
+# with trust_remote_code (get_cached_module_file) copy only the files named by relative-import lines, found by a regex
+# on the text, executed or not; dispatch.py imports each row's function by its row's names (importlib). Not a real
+# import: this module stays torch-free (the command line reads it), and kernel files import it (a cycle). One line a
+# kernel file, naming its rows' functions (tests/core/test_kernel_table.py checks that the lines and the rows agree).
+if False:
+    from .cudnn import cudnn_alibi_attention  # noqa: F401
+    from .dense import eager_attention_forward, sdpa_attention_forward  # noqa: F401
+    from .fa4 import fa4_alibi_attention  # noqa: F401
+    from .flash import flash_alibi_attention  # noqa: F401
+    from .flex import flex_alibi_attention  # noqa: F401
+
 KERNEL_BY_NAME = {kernel.name: kernel for kernel in KERNELS}
 # transformers' backends with an ALiBi path (dispatch.py registers ``alibi_<name>`` for each), and those known by
 # name but refused when called; any other name is refused when set (:func:`check_backend`)

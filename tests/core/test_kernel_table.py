@@ -2,6 +2,7 @@
 config's accepted names, the refusals (a kernel's, a native model's set_attn_implementation, continuous batching's)
 and the docs read it. And the bias as one value (slopes.BiasSpec): the one key under which merged masks are shared."""
 
+import ast
 import math
 import re
 
@@ -10,9 +11,10 @@ import torch
 from reference import fairseq_slopes
 from sharing import REPO_ROOT
 from torch import nn
+from transformers.dynamic_module_utils import get_relative_imports
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_alibi.core import dispatch, names
+from hf_alibi.core import dispatch, kernels, names
 from hf_alibi.core.batching import check_continuous_batching
 from hf_alibi.core.bias import AlibiBias
 from hf_alibi.core.forward import AlibiForward
@@ -22,6 +24,7 @@ from hf_alibi.core.kernels import (
     PAGED_BACKENDS,
     REFUSED_BACKENDS,
     RUNNING_BACKENDS,
+    Kernel,
     check_backend,
     kernel,
     paged_refusal,
@@ -44,6 +47,24 @@ def test_registration_follows_the_rows():
     assert REFUSED_BACKENDS == tuple(row.name for row in KERNELS if not row.runs)
     # continuous batching's bias: on the merged-mask kernels (tests/core/test_batching.py runs each)
     assert PAGED_BACKENDS == ("eager", "sdpa")
+
+
+def test_the_copiers_lines_name_exactly_the_rows_files_and_functions():
+    """kernels.py's block that never runs names each row's file for transformers' remote-code copier (which reads
+    relative-import lines off the text): a row without its line would run here and be missing from every saved
+    checkpoint; a stale line would copy a file nothing binds. dispatch.py imports what the rows name, nothing else."""
+    running = [row for row in KERNELS if row.runs]
+    assert set(get_relative_imports(kernels.__file__)) == {row.module for row in running}  # what the copier sees
+    blocks = [node for node in ast.parse(open(kernels.__file__).read()).body if isinstance(node, ast.If)]
+    assert len(blocks) == 1 and isinstance(blocks[0].test, ast.Constant) and blocks[0].test.value is False
+    named = {(node.module, alias.name) for node in blocks[0].body for alias in node.names}
+    assert named == {(row.module, row.function) for row in running}
+    for row in running:
+        function = dispatch.FUNCTIONS[row.name]
+        assert (function.__module__, function.__name__) == (f"hf_alibi.core.{row.module}", row.function)
+    assert not {row.module for row in running} & set(get_relative_imports(dispatch.__file__))
+    with pytest.raises(ValueError, match="give its function and its module, or neither"):
+        Kernel("new_kernel", "new_alibi_attention")
 
 
 def test_the_names_resolve_with_either_prefix_and_others_are_refused_in_one_line():

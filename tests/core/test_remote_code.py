@@ -15,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
 from hf_alibi.convert.registry import alibi_classes
-from hf_alibi.core import dispatch, modeling_alibi
+from hf_alibi.core import modeling_alibi
 from hf_alibi.core.architectures import find_architecture
 from hf_alibi.core.kernels import KERNELS
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
@@ -24,8 +24,8 @@ from hf_alibi.recover.trainer import loss_is_per_batch_mean
 CORE = Path(hf_alibi.__file__).parent / "core"
 # What a checkpoint's code may import besides its sibling files: torch, transformers, the standard library.
 ALLOWED_IMPORTS = {"__future__", "collections", "contextlib", "contextvars", "copy", "ctypes", "dataclasses",
-                   "functools", "inspect", "math", "os", "platform", "struct", "threading", "torch", "transformers",
-                   "typing", "warnings"}  # fmt: skip
+                   "functools", "importlib", "inspect", "math", "os", "platform", "struct", "threading", "torch",
+                   "transformers", "typing", "warnings"}  # fmt: skip
 
 
 def test_remote_code_is_the_library_core_byte_for_byte(tmp_path):
@@ -36,6 +36,8 @@ def test_remote_code_is_the_library_core_byte_for_byte(tmp_path):
     # modeling.py (CONTRIBUTING's deprecated names: nothing imports it, a checkpoint needs none)
     left_out = ("__init__.py", "modeling.py")
     assert written == sorted(path.name for path in CORE.glob("*.py") if path.name not in left_out)
+    # every kernel's file, named by its row (kernels.py's lines for the copier; dispatch.py imports it by name)
+    assert {f"{row.module}.py" for row in KERNELS if row.runs} <= set(written)
     for name in written:
         assert (tmp_path / name).read_bytes() == (CORE / name).read_bytes(), name
     assert REMOTE_CODE_FILE == CORE / "modeling_alibi.py"
@@ -88,10 +90,8 @@ def test_remote_code_holds_no_server_cli_or_trainer_code(tmp_path):
     assert server_cli_or_trainer_code(trainer) >= {"loss_is_scaled_for_ga", "model_accepts_loss_kwargs", "Trainer"}
 
 
-# each kernel file's optional packages, from the kernel table: file (the module of the row's function) -> packages
-OPTIONAL = {
-    dispatch.FUNCTIONS[row.name].__module__.rsplit(".", 1)[-1]: row.packages for row in KERNELS if row.packages
-}
+# each kernel file's optional packages, from the kernel table: file (the row's module) -> packages
+OPTIONAL = {row.module: row.packages for row in KERNELS if row.packages}
 
 
 def test_optional_packages_are_imported_in_try_blocks_only():
