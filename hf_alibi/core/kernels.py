@@ -8,7 +8,7 @@ and the optional package it needs. Every check of a backend's abilities reads th
 what continuous batching runs (:func:`paged_refusal`), and the remote-code test's allowed optional imports.
 
 Adding a kernel is its file, one row here and its line in the copier's block below the table (tests check that the
-block and the rows agree), its tests, and its line in the docs' tables.
+block and the rows agree), its tests, and its line in docs/attention.md's backend table (checked against the rows).
 """
 
 from __future__ import annotations

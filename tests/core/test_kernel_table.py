@@ -4,12 +4,10 @@ and the docs read it. And the bias as one value (slopes.BiasSpec): the one key u
 
 import ast
 import math
-import re
 
 import pytest
 import torch
 from reference import fairseq_slopes
-from sharing import REPO_ROOT
 from torch import nn
 from transformers.dynamic_module_utils import get_relative_imports
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -105,13 +103,6 @@ def test_continuous_batching_runs_the_paged_rows_and_refuses_the_rest():
     with pytest.raises(ValueError, match="for attn_implementation 'eager' and 'sdpa', not 'flex_attention'"):
         check_continuous_batching(Model)
     assert paged_refusal("alibi_sdpa") is None and paged_refusal("eager") is None
-
-
-def test_the_contributing_table_lists_every_running_kernel():
-    text = (REPO_ROOT / "CONTRIBUTING.md").read_text()
-    section = text[text.index("## The bias and the kernels that render it") : text.index("## Adding an architecture")]
-    listed = set(re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M))
-    assert listed - {"attn_implementation"} == set(RUNNING_BACKENDS)  # the header and one row a kernel
 
 
 # ---------------------------------------------------------------------------------------------------------------
