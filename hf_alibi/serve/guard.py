@@ -9,10 +9,14 @@
 - the request's body bounded (``--max-body-bytes``: 413 from its Content-Length, or as soon as the bytes read pass
   it, chunked too; nothing more is read) and the time to read it (``--read-timeout``: 408), each in OpenAI's shape,
   the connection closed after the answer (:mod:`hf_alibi.serve.connections` bounds headers and idle connections);
+- admission (:class:`Admission`): at most ``--max-concurrent-requests`` generation requests inside transformers'
+  handlers at once; the others wait in arrival order (a waiting client that leaves leaves the queue), and past
+  ``--max-queued-requests`` waiting, 429 with ``Retry-After``: a burst is answered in turn instead of all of it
+  entering the batching scheduler at once;
 - a non-streamed request in the batching worker whose client leaves before its answer is dropped from the batch
   (transformers frees a stream's slot itself, not this one's);
-- ``GET /hf-alibi/load``: the generation requests in the server now, and the continuous-batching scheduler's
-  requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
+- ``GET /hf-alibi/load``: the generation requests in the server now (inside, waiting), and the continuous-batching
+  scheduler's requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
   every later request 503 until the process ends), the process says so in one line and exits with
   :data:`WORKER_DIED_STATUS`, for a supervisor (systemd, Kubernetes, a shell loop) to start it again.
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import json
@@ -61,11 +66,11 @@ class RequestGuard:
 
     def __init__(self, app, tokenizer, limits: Limits, pinned: str, generation_state=None):
         self.app, self.tokenizer, self.limits, self.pinned = app, tokenizer, limits, pinned
-        self.generation_state, self.in_flight = generation_state, 0
+        self.generation_state, self.admission = generation_state, Admission(limits.concurrent, limits.queued)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOAD_PATH:
-            await _answer(send, 200, load(self.in_flight, self.generation_state))
+            await _answer(send, 200, load(self.admission, self.generation_state))
             return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED:
             await self.app(scope, receive, send)
@@ -101,7 +106,12 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         sending = _OpenAIErrors(send)
-        self.in_flight += 1
+        try:
+            if not await self.admission.enter(receive):
+                return  # the client left while its request waited
+        except BadRequest as error:
+            await _answer(send, error.status, error.payload(), [(b"retry-after", b"1")])
+            return
         try:
             if batched:
                 await self._unless_left(self.app(scope, replay, sending), receive, sending, request_id.decode())
@@ -113,7 +123,7 @@ class RequestGuard:
             logging.getLogger("hf_alibi.serve").exception("request to %s failed", scope["path"])
             await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
         finally:
-            self.in_flight -= 1
+            self.admission.leave()
 
     async def _unless_left(self, answering, receive, sending, request_id: str) -> None:
         """Run ``answering`` (a non-streamed request in the batching worker), dropping it from the batch
@@ -162,6 +172,59 @@ class RequestGuard:
         return b"".join(parts)
 
 
+class Admission:
+    """At most ``limit`` requests inside at once; the others wait in arrival order, at most ``queued`` of them (one
+    more: :class:`BadRequest` 429). One event loop's (the server's); ``inside`` and ``waiting`` are the counts."""
+
+    def __init__(self, limit: int, queued: int):
+        self.limit, self.queued, self.inside = limit, queued, 0
+        self.queue: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    async def enter(self, receive) -> bool:
+        """Wait for a place: True once inside (then :meth:`leave` once), False if the client left first (reading
+        ``receive`` for its disconnect: only once the request's body is read)."""
+        if self.inside < self.limit and not self.queue:
+            self.inside += 1
+            return True
+        if len(self.queue) >= self.queued:
+            raise BadRequest(
+                f"this server is busy: {self.inside} requests are being answered and {len(self.queue)} wait "
+                f"(--max-concurrent-requests {self.limit}, --max-queued-requests {self.queued}); retry later",
+                code="server_busy", status=429,
+            )  # fmt: skip
+        turn = asyncio.get_running_loop().create_future()
+        self.queue.append(turn)
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({turn, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task cancelled (the server stopping): its turn, or its place, given up
+            left = True
+            raise
+        else:
+            left = watch.done()
+        finally:
+            watch.cancel()
+            if not turn.done():  # out of the queue
+                self.queue.remove(turn)
+                turn.cancel()
+            elif left:  # the place came as the client left: it goes to the next
+                self.leave()
+        return not left
+
+    def leave(self) -> None:
+        """A request inside is done: its place goes to the first still waiting, or is freed."""
+        while self.queue:
+            turn = self.queue.popleft()
+            if not turn.done():
+                turn.set_result(None)  # handed over: ``inside`` unchanged
+                return
+        self.inside -= 1
+
+
 def _too_large(size: int, limit: int, more: bool = True) -> BadRequest:
     read = "at least " if more else ""
     return BadRequest(
@@ -175,10 +238,12 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def load(in_flight: int, generation_state) -> dict:
+def load(admission: Admission, generation_state) -> dict:
     """``GET /hf-alibi/load``'s answer: ``in_flight``, the generation requests inside transformers' handlers now (a
-    stream counts until its generation has stopped), and ``continuous_batching`` (:func:`cb_requests`)."""
-    return {"in_flight": in_flight, "continuous_batching": cb_requests(generation_state)}
+    stream counts until its generation has stopped); ``queued``, those waiting for a place (:class:`Admission`); and
+    ``continuous_batching`` (:func:`cb_requests`)."""
+    return {"in_flight": admission.inside, "queued": admission.waiting,
+            "continuous_batching": cb_requests(generation_state)}  # fmt: skip
 
 
 async def _answer(send, status: int, payload: dict, extra: list | None = None) -> None:

@@ -40,7 +40,11 @@ class Limits:
       soon as the bytes read pass it (chunked bodies too);
     - ``read_timeout``: seconds to receive a request's headers, and then its whole body (``--read-timeout``): 408;
     - ``idle_timeout``: seconds a connection may sit without a request (``--idle-timeout``), before its first
-      request and between requests (uvicorn's keep-alive timeout).
+      request and between requests (uvicorn's keep-alive timeout);
+    - ``concurrent``: generation requests inside the engine at once (``--max-concurrent-requests``); the others
+      wait, in arrival order, outside it: 200 requests let into transformers' batching scheduler at once on 2 CPU
+      cores held 12 GB and answered none of them in 300 s;
+    - ``queued``: requests waiting for one of those places (``--max-queued-requests``); one more: 429.
     """
 
     new_tokens: int = DEFAULT_CAP
@@ -48,12 +52,15 @@ class Limits:
     body_bytes: int = 1 << 20
     read_timeout: float = 30.0
     idle_timeout: float = 15.0  # past httpx's (the openai client's) 5 s keep-alive: the client closes first
+    concurrent: int = 16
+    queued: int = 1024
 
 
 # each limit's flag (hf_alibi.cli.parser.SERVE_FLAGS) and the field of Limits it sets
 LIMIT_FLAGS = {"max_new_tokens_cap": "new_tokens", "max_prompt_tokens": "prompt_tokens",
                "max_body_bytes": "body_bytes", "read_timeout": "read_timeout",
-               "idle_timeout": "idle_timeout"}  # fmt: skip
+               "idle_timeout": "idle_timeout", "max_concurrent_requests": "concurrent",
+               "max_queued_requests": "queued"}  # fmt: skip
 
 
 def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
