@@ -53,7 +53,7 @@ WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
 _FLUSH_SECONDS = 1.0  # the failed requests' 503 answers go out before the process ends
 LOAD_PATH = "/hf-alibi/load"
-_CLOSE = [(b"connection", b"close")]
+CLOSE = [(b"connection", b"close")]
 
 
 def say(line: str) -> None:
@@ -70,15 +70,15 @@ class RequestGuard:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOAD_PATH:
-            await _answer(send, 200, load(self.admission, self.generation_state))
+            await answer_json(send, 200, load(self.admission, self.generation_state))
             return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED:
             await self.app(scope, receive, send)
             return
         try:
-            raw = await self._read_body(scope, receive)
+            raw = await read_body(scope, receive, self.limits)
         except BadRequest as error:
-            await _answer(send, error.status, error.payload(), _CLOSE)
+            await answer_json(send, error.status, error.payload(), CLOSE)
             return
         if raw is None:  # the client left
             return
@@ -86,7 +86,7 @@ class RequestGuard:
             body = check_body(scope["path"], raw, self.tokenizer, self.limits.new_tokens, self.pinned,
                               self.limits.prompt_tokens)  # fmt: skip
         except BadRequest as error:
-            await _answer(send, error.status, error.payload())
+            await answer_json(send, error.status, error.payload())
             return
         batched = not body.get("stream") and cb_requests(self.generation_state) is not None
         body = json.dumps(body).encode()
@@ -110,7 +110,7 @@ class RequestGuard:
             if not await self.admission.enter(receive):
                 return  # the client left while its request waited
         except BadRequest as error:
-            await _answer(send, error.status, error.payload(), [(b"retry-after", b"1")])
+            await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
             return
         try:
             if batched:
@@ -121,7 +121,7 @@ class RequestGuard:
             if sending.started:
                 raise
             logging.getLogger("hf_alibi.serve").exception("request to %s failed", scope["path"])
-            await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
+            await answer_json(send, 500, openai_error(f"the server failed on this request: {error}", 500))
         finally:
             self.admission.leave()
 
@@ -143,33 +143,6 @@ class RequestGuard:
                 await task
         finally:
             watch.cancel()
-
-    async def _read_body(self, scope, receive) -> bytes | None:
-        """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
-        raises :class:`BadRequest` (413, 408); None: the client disconnected."""
-        limit, timeout = self.limits.body_bytes, self.limits.read_timeout
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        parts, size, more = [], 0, True
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except TimeoutError:
-                raise BadRequest(
-                    f"the request's body did not arrive within {timeout:g} s (--read-timeout; {size} bytes came)",
-                    code="request_timeout", status=408,
-                ) from None  # fmt: skip
-            if message["type"] == "http.disconnect":
-                return None
-            part, more = message.get("body", b""), message.get("more_body", False)
-            size += len(part)
-            if size > limit:
-                raise _too_large(size, limit, more)
-            parts.append(part)
-        return b"".join(parts)
 
 
 class Admission:
@@ -225,6 +198,34 @@ class Admission:
         self.inside -= 1
 
 
+async def read_body(scope, receive, limits: Limits) -> bytes | None:
+    """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
+    raises :class:`BadRequest` (413, 408); None: the client disconnected."""
+    limit, timeout = limits.body_bytes, limits.read_timeout
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    parts, size, more = [], 0, True
+    while more:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise BadRequest(
+                f"the request's body did not arrive within {timeout:g} s (--read-timeout; {size} bytes came)",
+                code="request_timeout", status=408,
+            ) from None  # fmt: skip
+        if message["type"] == "http.disconnect":
+            return None
+        part, more = message.get("body", b""), message.get("more_body", False)
+        size += len(part)
+        if size > limit:
+            raise _too_large(size, limit, more)
+        parts.append(part)
+    return b"".join(parts)
+
+
 def _too_large(size: int, limit: int, more: bool = True) -> BadRequest:
     read = "at least " if more else ""
     return BadRequest(
@@ -246,7 +247,7 @@ def load(admission: Admission, generation_state) -> dict:
             "continuous_batching": cb_requests(generation_state)}  # fmt: skip
 
 
-async def _answer(send, status: int, payload: dict, extra: list | None = None) -> None:
+async def answer_json(send, status: int, payload: dict, extra: list | None = None) -> None:
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -278,10 +279,10 @@ class _OpenAIErrors:
         except (UnicodeDecodeError, json.JSONDecodeError):
             given = held.decode(errors="replace")
         if isinstance(given, dict) and isinstance(given.get("error"), dict):
-            await _answer(self.send, status, given)
+            await answer_json(self.send, status, given)
             return
         detail = given.get("detail", given.get("error", given)) if isinstance(given, dict) else given
-        await _answer(self.send, status, openai_error(_detail_text(detail), status))
+        await answer_json(self.send, status, openai_error(_detail_text(detail), status))
 
 
 def _detail_text(detail) -> str:
