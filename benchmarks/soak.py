@@ -66,7 +66,8 @@ class Soak:
         self.reference: dict[tuple[str, int], str] = {}
         self.mismatches: list[dict] = []
         self.deadline = 0.0
-        self.warm = None  # RSS and fds after --warmup seconds
+        self.warm = None  # RSS and fds at the first report after --warmup seconds with no burst in flight
+        self.bursting = False
 
     # ------------------------------------------------------------------ clients
     def client(self) -> openai.OpenAI:
@@ -196,7 +197,9 @@ class Soak:
         wait = self.args.warmup / 2
         while time.monotonic() + wait < self.deadline:
             time.sleep(wait)
+            self.bursting = True
             asyncio.run(self.burst())
+            self.bursting = False
             wait = self.args.burst_every
 
     async def burst(self) -> None:
@@ -255,7 +258,13 @@ class Soak:
                    "p50_s": quantile(0.5), "p99_s": quantile(0.99), **self.server_figures()}  # fmt: skip
         figures["5xx"] = sum(n for k, n in outcomes.items() if k.rsplit("_", 1)[1].startswith("5"))
         figures["mismatches"] = sum(n for k, n in outcomes.items() if k.endswith("mismatch"))
-        if self.warm is None and time.monotonic() - started >= self.args.warmup and "rss_mb" in figures:
+        figures["bursting"] = self.bursting  # a burst's connections are open: descriptors not comparable
+        if (
+            self.warm is None
+            and time.monotonic() - started >= self.args.warmup
+            and "rss_mb" in figures
+            and not self.bursting
+        ):
             self.warm = {"rss_mb": figures["rss_mb"], "fds": figures["fds"]}
         figures["after_warmup"] = self.warm
         print(json.dumps(figures), flush=True)
