@@ -3,7 +3,7 @@
     python benchmarks/gpu.py                        # GPT-2 (and Llama when hf_alibi converts it), L = 1k..16k
     python benchmarks/gpu.py --lengths 1024 4096 --repeats 3 --no-main-job
     python benchmarks/gpu.py --types bloom mpt falcon --lengths 2048   # the models trained with ALiBi
-    bash benchmarks/gpu_session.sh                  # what a GPU session runs first (pytest -m gpu, then this)
+    bash tools/gpu_lease.sh part1                    # on a lent GPU: pytest -m gpu, then this
 
 For each model (a GPT-2 of 12 layers, width 768, 12 heads; a Llama of the same size with 4 KV heads; the native
 BLOOM / MPT / Falcon-RW shapes with ``--types``), all in bf16 (weights and activations), and each L: one training step

@@ -24,7 +24,7 @@ writing 5 to ``/proc/self/clear_refs``, minus the resident set just before the s
 re-runs itself with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns every freed tensor to
 the OS at once and the resident set follows the live tensors (Linux only).
 
-    python benchmarks/overhead.py                 # docs/performance.md, Earlier figures (a few minutes on 2 cores)
+    python benchmarks/overhead.py                 # tiny GPT-2, fp32 (a few minutes on 2 cores)
     python benchmarks/overhead.py --lengths 512 --repeats 3 --types gpt2
     python benchmarks/overhead.py --types gpt2 --dtype bf16 --lengths 512 1024 2048 4096 --forward-length 8192
     python benchmarks/overhead.py --constructions --layers 6 --width 384 --heads 6 --batch 2 --threads 2

@@ -105,7 +105,7 @@ def test_no_import_cycle_counting_imports_inside_functions():
     for name in sorted(graph):
         visit(name, [])
     assert not any(m.startswith("hf_alibi.hub") for m in graph["hf_alibi.registry"])  # the mixin is given
-    # nothing outside the command line imports it (``python -m hf_alibi`` runs it; hf_alibi.jobs is its old name)
+    # nothing outside the command line imports it (``python -m hf_alibi`` runs it; hf_alibi.jobs is a deprecated alias)
     cli = {m for m in MODULES if m == "hf_alibi.cli" or m.startswith("hf_alibi.cli.")}
     outside = {name: graph[name] & cli for name in MODULES if name not in cli | {"hf_alibi.__main__", "hf_alibi.jobs"}}
     assert not {name: found for name, found in outside.items() if found}
@@ -136,8 +136,8 @@ def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
 
 
 def test_the_renamed_core_modeling_module_warns_and_still_resolves():
-    """hf_alibi.core.modeling is hf_alibi.core.conversion now (CONTRIBUTING's deprecated names): the old name warns
-    once imported and gives the same objects (what code and pickles made before the rename name)."""
+    """hf_alibi.core.modeling is a deprecated alias of hf_alibi.core.conversion (CONTRIBUTING's deprecated names):
+    importing it warns once and gives the same objects (what code and pickles that name the alias need)."""
     import importlib
     import sys
 

@@ -36,7 +36,7 @@ import sys
 # library is imported (seconds). ``hf-alibi`` runs this package without hf_alibi/__init__.py (hf_alibi_boot); a job
 # then runs in the real ``hf_alibi.cli.jobs`` (:func:`run_job`), where the library's own exception classes are caught.
 from ..checkpoints import (
-    TOKENIZER_FILES,  # noqa: F401  (re-exported: the CLI's names of today)
+    TOKENIZER_FILES,  # noqa: F401  (re-exported: callers of the CLI import it from here)
     check_source,
 )
 from ..serve.request_checks import VLLM_MIDDLEWARE, limits_environment

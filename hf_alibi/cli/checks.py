@@ -21,7 +21,7 @@ from ..checkpoints import check_output, check_source, is_hub_id, is_local
 from ..core.settings import check_pretrained_options, conversion_options
 from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs
 from ..gguf import check_output_file
-from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported, the CLI's names of today)
+from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported for callers of the CLI)
     HEAD_FIELDS,
     HeadsMismatch,
     applies,

@@ -1,4 +1,4 @@
-"""The CUDA kernels of the table on a real GPU (``pytest -m gpu``; benchmarks/gpu_session.sh runs this first): FA4's
+"""The CUDA kernels of the table on a real GPU (``pytest -m gpu``; tools/gpu_lease.sh runs this first): FA4's
 ALiBi score_mod and the fold on cuDNN, forward and backward, against a float64 reference written here. Each test
 skips cleanly without CUDA (and FA4's without flash-attn-4 or a Hopper / Blackwell GPU). The CPU checks of the same
 argument building are tests/core/test_fa4_contract.py and tests/core/test_fold_cudnn.py."""

@@ -1,34 +1,31 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs first (issues 43, 49): the CUDA kernels of the table against float64 (pytest -m gpu),
-# then benchmarks/gpu.py's arms against the fastest unpatched SDPA kernel. Two device calls, each of which measures:
-# FlashAttention-4's libraries (one 92 MB wheel) are more than one call may carry (64 MiB), so the first call carries
-# half of it with transformers and measures everything that needs no FA4, the second carries the rest and measures FA4.
+# The GPU lease runbook: what to run on a lent GPU machine (one device call at most 10 minutes, 15 device minutes in
+# all, 64 MiB carried a call). Each step checks the CUDA kernels against float64 (pytest -m gpu), then times
+# benchmarks/gpu.py's and benchmarks/gpu_attention.py's arms against the fastest unpatched SDPA kernel.
+# FlashAttention-4's libraries (one 92 MB wheel) are more than one call may carry, so they travel in two halves:
+# the first call of a pair keeps its half on the machine (a warm device keeps ignored files between calls), the
+# second puts the wheel together.
 #
-# 1. Here, where pip reaches PyPI (no GPU needed; a minute):
-#        bash benchmarks/gpu_session.sh prepare
-#    downloads the wheels for the device's Python 3.12 / CUDA 13 into .whl/ (a folder that ignores itself):
-#    .whl/a/ (transformers and the first 45 MiB of nvidia-cutlass-dsl-libs-cu13), .whl/b/ (the rest, FA4's wheels),
-#    .whl/c/ (transformers, datasets, dill, multiprocess, gguf).
-# 2. Device call 1 (carry [".whl/a"], timeout_s 420; about 5 minutes):
-#        bash benchmarks/gpu_session.sh part1
-#    keeps its part of the big wheel in .whlstash/ (ignored: a warm device keeps ignored files between calls), installs
-#    transformers under /tmp/site, runs the cuDNN-fold GPU tests, then gpt2 / llama at 1k / 4k / 16k (the fold on cuDNN
-#    and on flash, the bias path) and Falcon-RW at 2048 against transformers' own.
-# 3. Device call 2, within the machine's 30 s of warmth (carry [".whl/b"], timeout_s 420; about 5 minutes):
-#        bash benchmarks/gpu_session.sh part2
-#    puts the big wheel together, installs FA4, runs FA4's GPU tests, then gpt2 / llama with the fa4 arm.
-# The second session's steps (docs/performance.md, "Second H200 session"), called the same way:
-#    attention (carry [".whl/a"], ~3 min): every GPU test but FA4's, gpu_attention.py's SDPA arms, gpu.py at batch 8;
-#    attention_fa4 (carry [".whl/b"], within the warmth, ~2 min): FA4's tests, FA4 with and without its score_mod;
-#    batch (carry [".whl/c"]: transformers and run_clm's needs the image lacks, for the FSDP launches; ~3 min).
-# cuDNN's own fused ALiBi (issue 54, attn_implementation "cudnn"), two calls:
-#        bash benchmarks/gpu_session.sh prepare_cudnn     # here: .whl/d/ (nvidia-cudnn-frontend, transformers; 25 MB)
-#        bash benchmarks/gpu_session.sh cudnn             # device (carry [".whl/d"], timeout_s 420; at most 6 minutes)
-#    its GPU tests against float64, one attention call against the unpatched kernels (with and without dropout), and
-#    training steps of GPT-2 and Llama at 8 x 1k, 8 x 4k, 1 x 16k against the fastest unpatched kernel, no dropout;
-#        bash benchmarks/gpu_session.sh cudnn_dropout     # device (carry [".whl/d"], timeout_s 240; at most 3 minutes)
-#    the same training steps with the types' default dropouts (GPT-2's 0.1).
-# Everything is teed to $OUT/gpu_session_<step>.log; each step runs under its own time limit, so a cut step reports.
+# Here, where pip reaches PyPI (no GPU needed; a minute):
+#     bash tools/gpu_lease.sh prepare          # .whl/a (transformers, the first 45 MiB of the cutlass libs),
+#                                              # .whl/b (the rest, FA4's wheels), .whl/c (run_clm's needs)
+#     bash tools/gpu_lease.sh prepare_cudnn    # .whl/d (nvidia-cudnn-frontend, transformers; 25 MB)
+# .whl/ ignores itself: it travels only where a call carries it. Then on the device, one step a call:
+#     part1          carry [".whl/a"], timeout_s 420: the cuDNN-fold GPU tests; GPT-2 / Llama at 1k / 4k / 16k (the
+#                    fold on cuDNN and on flash, the bias path); Falcon-RW at 2048 against transformers' own
+#     part2          carry [".whl/b"], right after part1: FA4's GPU tests, GPT-2 / Llama on FA4
+#     choice         carry [".whl/a"], ~4 min: the automatic choice on CUDA checked and timed (auto, fold, bias)
+#     attention      carry [".whl/a"], timeout_s 360: every GPU test but FA4's, one attention call timed apart from
+#                    the model, training at batch 8
+#     attention_fa4  carry [".whl/b"], right after attention: FA4's tests, FA4 with and without its ALiBi score_mod
+#     batch          carry [".whl/c"], timeout_s 300: every GPU test but FA4's (the FSDP launches of run_clm
+#                    included), training at batch 8
+#     cudnn          carry [".whl/d"], timeout_s 420: cuDNN's fused ALiBi against float64, one attention call with
+#                    and without dropout, training steps at 8 x 1k, 8 x 4k, 1 x 16k
+#     cudnn_dropout  carry [".whl/d"], timeout_s 240: the same training steps with the types' default dropouts
+# e.g. run(command="bash tools/gpu_lease.sh part1", carry=[".whl/a"], timeout_s=420). Everything is teed to
+# $OUT/gpu_lease_<step>.log; each step runs under its own time limits, so a cut step still reports.
+# CONTRIBUTING.md ("GPU lease") says when to run which; docs/performance.md holds the figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,7 +58,7 @@ prepare() {
     du -sh .whl/a .whl/b .whl/c
 }
 
-prepare_cudnn() {  # the frontend's graph API runs without its declared nvidia-cutlass-dsl (issue 54): --no-deps
+prepare_cudnn() {  # the frontend's graph API runs without its declared nvidia-cutlass-dsl: --no-deps
     rm -rf .whl/d && mkdir -p .whl/d && echo '*' > .whl/.gitignore
     download .whl/d "nvidia-cudnn-frontend==1.32.0" "transformers==5.24.0" || exit 1
     du -sh .whl/d
@@ -70,7 +67,7 @@ prepare_cudnn() {  # the frontend's graph API runs without its declared nvidia-c
 SITE=/tmp/site
 
 environment() {
-    OUT=${OUT:-/tmp/gpu_session_out}
+    OUT=${OUT:-/tmp/gpu_lease_out}
     mkdir -p "$OUT"
     export PYTHONUNBUFFERED=1
     # nvidia-cutlass-dsl puts its packages on sys.path through a .pth file, which a --target install never runs
@@ -125,7 +122,7 @@ part1() {
         echo "== benchmarks/gpu.py: Falcon-RW against transformers' own at 2048"
         timeout 70 python3 benchmarks/gpu.py --lengths 2048 --repeats 3 --gen-repeats 2 --new-tokens 32 \
             --no-main-job --types falcon --arms fold-cudnn fold-flash bias
-    } 2>&1 | tee "$OUT/gpu_session_part1.log"
+    } 2>&1 | tee "$OUT/gpu_lease_part1.log"
 }
 
 part2() {
@@ -141,7 +138,7 @@ part2() {
         echo "== benchmarks/gpu.py: GPT-2, Llama on FlashAttention-4"
         timeout 170 python3 benchmarks/gpu.py --lengths 1024 4096 16384 --repeats 3 --gen-repeats 2 \
             --new-tokens 32 --no-main-job --types gpt2 llama --arms fa4
-    } 2>&1 | tee "$OUT/gpu_session_part2.log"
+    } 2>&1 | tee "$OUT/gpu_lease_part2.log"
 }
 
 choice() {  # the automatic choice on CUDA (dispatch.cuda_prefers_bias) checked and timed: carry [".whl/a"], ~4 min
@@ -155,11 +152,11 @@ choice() {  # the automatic choice on CUDA (dispatch.cuda_prefers_bias) checked 
         echo "== benchmarks/gpu.py: GPT-2, Llama: auto (what a user gets), the fold on cuDNN, the bias path"
         timeout 170 python3 benchmarks/gpu.py --lengths 1024 4096 8192 16384 --repeats 3 --gen-repeats 2 \
             --new-tokens 32 --no-main-job --types gpt2 llama --arms auto fold-cudnn bias
-    } 2>&1 | tee "$OUT/gpu_session_choice.log"
+    } 2>&1 | tee "$OUT/gpu_lease_choice.log"
 }
 
-attention() {  # call 1 of a session after issue 49 (carry [".whl/a"], timeout_s 360): every GPU test but FA4's on this
-    # tree, one attention call timed apart from the model (gpu_attention.py), and training at batch 8 (gpu.py)
+attention() {  # carry [".whl/a"], timeout_s 360: every GPU test but FA4's,
+    # one attention call timed apart from the model (gpu_attention.py), and training at batch 8 (gpu.py)
     environment
     stash_part
     install .whl/a/transformers-*.whl || echo "transformers wheel install failed: the image's transformers runs"
@@ -177,7 +174,7 @@ attention() {  # call 1 of a session after issue 49 (carry [".whl/a"], timeout_s
         timeout 150 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
             --new-tokens 16 --no-main-job --types gpt2 llama --arms unpatched-flash unpatched-cudnn \
             unpatched-efficient auto fold-cudnn bias
-    } 2>&1 | tee "$OUT/gpu_session_attention.log"
+    } 2>&1 | tee "$OUT/gpu_lease_attention.log"
 }
 
 attention_fa4() {  # call 2, within the machine's warmth (carry [".whl/b"], timeout_s 300): FA4's tests, FA4 with and
@@ -194,7 +191,7 @@ attention_fa4() {  # call 2, within the machine's warmth (carry [".whl/b"], time
             bias fold-cudnn fa4-plain fa4
         timeout 40 python3 benchmarks/gpu_attention.py --batch 8 --lengths 1024 4096 --arms plain-cudnn plain-flash \
             bias fold-cudnn fa4-plain fa4
-    } 2>&1 | tee "$OUT/gpu_session_attention_fa4.log"
+    } 2>&1 | tee "$OUT/gpu_lease_attention_fa4.log"
 }
 
 batch() {  # the automatic choice counting the batch (carry [".whl/c"]: transformers, datasets, dill, multiprocess,
@@ -209,17 +206,17 @@ batch() {  # the automatic choice counting the batch (carry [".whl/c"]: transfor
         echo "== benchmarks/gpu.py: GPT-2, Llama at batch 8: auto, the folded path forced (cuDNN), the bias path"
         timeout 120 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
             --new-tokens 8 --no-main-job --types gpt2 llama --arms unpatched-flash unpatched-cudnn auto fold-cudnn bias
-    } 2>&1 | tee "$OUT/gpu_session_batch.log"
+    } 2>&1 | tee "$OUT/gpu_lease_batch.log"
 }
 
-cudnn_steps() {  # gpu.py's training steps at the issue's shapes: auto and cudnn against the unpatched kernels
+cudnn_steps() {  # gpu.py's training steps at 8 x 1k, 8 x 4k, 1 x 16k: auto and cudnn against the unpatched kernels
     timeout 100 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
         --new-tokens 8 --no-main-job --types gpt2 llama --arms auto cudnn "$@"
     timeout 60 python3 benchmarks/gpu.py --batch 1 --lengths 16384 --repeats 3 --gen-repeats 1 \
         --new-tokens 8 --no-main-job --types gpt2 llama --arms auto cudnn "$@"
 }
 
-cudnn() {  # issue 54: cuDNN's fused ALiBi checked against float64 and timed (carry [".whl/d"], timeout_s 420)
+cudnn() {  # cuDNN's fused ALiBi checked against float64 and timed (carry [".whl/d"], timeout_s 420)
     environment
     install .whl/d/*.whl || echo "wheel install failed: the cudnn arms will say why"
     {
@@ -237,17 +234,17 @@ cudnn() {  # issue 54: cuDNN's fused ALiBi checked against float64 and timed (ca
         done
         echo "== benchmarks/gpu.py: GPT-2, Llama training steps at 8 x 1k, 8 x 4k, 1 x 16k, no dropout"
         cudnn_steps
-    } 2>&1 | tee "$OUT/gpu_session_cudnn.log"
+    } 2>&1 | tee "$OUT/gpu_lease_cudnn.log"
 }
 
-cudnn_dropout() {  # issue 54, the same steps with the types' default dropouts (carry [".whl/d"], timeout_s 240)
+cudnn_dropout() {  # the same steps with the types' default dropouts (carry [".whl/d"], timeout_s 240)
     environment
     install .whl/d/*.whl || echo "wheel install failed: the cudnn arms will say why"
     {
         describe
         echo "== benchmarks/gpu.py: GPT-2, Llama training steps at 8 x 1k, 8 x 4k, 1 x 16k, default dropouts"
         cudnn_steps --dropout
-    } 2>&1 | tee "$OUT/gpu_session_cudnn_dropout.log"
+    } 2>&1 | tee "$OUT/gpu_lease_cudnn_dropout.log"
 }
 
 case "${1:-}" in
@@ -261,7 +258,7 @@ case "${1:-}" in
     prepare_cudnn) prepare_cudnn ;;
     cudnn) cudnn ;;
     cudnn_dropout) cudnn_dropout ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh prepare | part1 | part2 | choice | attention | attention_fa4 | batch" \
+    *) echo "usage: bash tools/gpu_lease.sh prepare | part1 | part2 | choice | attention | attention_fa4 | batch" \
             "| prepare_cudnn | cudnn | cudnn_dropout"
-       echo "(see the comment at its top)"; exit 2 ;;
+       echo "(the steps: the comment at its top)"; exit 2 ;;
 esac
