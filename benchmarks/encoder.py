@@ -43,9 +43,9 @@ from pretrained import (
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import hf_alibi
-from hf_alibi.checkpoints import read_config
+from hf_alibi.convert.positions import original_length
 from hf_alibi.core.settings import conversion_options
-from hf_alibi.positions import original_length
+from hf_alibi.hub.checkpoints import read_config
 from hf_alibi.recover import embedding_cosine, mean_pooled, recover
 from hf_alibi.recover.blocks import NO_FRAME, Frame, frame_rows, frame_size, special_frame
 

@@ -87,7 +87,7 @@ def main() -> None:
     if args.text:
         text = Path(args.text).read_text()
     else:
-        from hf_alibi.data import embedded_corpus
+        from hf_alibi.train.data import embedded_corpus
 
         text = "\n\n".join(embedded_corpus()["test"]["text"])
     ids = tokenizer(text)["input_ids"]

@@ -6,7 +6,7 @@ Two baselines: what ``import hf_alibi`` cannot avoid (``import torch`` and ``fro
 PreTrainedModel``), and importing the transformers classes it registers (``AutoConfig`` with the config class of
 every built-in row, ``AutoModel``: the model classes themselves are made when a row is first used). The command's
 lines (``hf-alibi --help``, ``convert --help``, ``--version``, an argument error) run its entry point
-(``hf_alibi_boot.main``, what the installed ``hf-alibi`` script calls) and should cost a bare interpreter's time: they
+(``hf_alibi.cli.main``, what the installed ``hf-alibi`` script calls) and should cost a bare interpreter's time: they
 import neither torch nor transformers. To see where the time goes: ``python -X importtime -c "import hf_alibi"``.
 
     PYTHONPATH=$PWD python benchmarks/import_time.py --repeats 5
@@ -40,11 +40,13 @@ text = "".join(open(f"patches/{name}.py").read() for name in ("absolute", "relat
 for model_type in sorted(set(re.findall(r'"([a-z0-9_]+)"', text)) & set(CONFIG_MAPPING.keys())):
     CONFIG_MAPPING[model_type]  # imports the type's configuration module, as registering its Alibi<Config> does
 """
-COMMAND = "import hf_alibi_boot\ntry:\n    hf_alibi_boot.main({argv})\nexcept SystemExit:\n    pass"
+COMMAND = "import hf_alibi.cli\ntry:\n    hf_alibi.cli.main({argv})\nexcept SystemExit:\n    pass"
 VARIANTS = {
     "baseline": "import torch\nfrom transformers import PreTrainedModel",
     "transformers' classes": REGISTERED_CLASSES,
     "import hf_alibi": "import torch\nfrom transformers import PreTrainedModel\nimport hf_alibi",
+    "import hf_alibi, then transformers": "import hf_alibi\nimport torch\nfrom transformers import PreTrainedModel",
+    "import hf_alibi alone (registers later)": "import hf_alibi",
     "bare interpreter": "pass",
     "hf-alibi --help": COMMAND.format(argv=["--help"]),
     "hf-alibi convert --help": COMMAND.format(argv=["convert", "--help"]),

@@ -39,12 +39,12 @@ from builders import build_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_alibi
-from hf_alibi.checkpoints import read_config
+from hf_alibi.convert.positions import original_length, position_limit
 from hf_alibi.core.settings import conversion_options
 from hf_alibi.evaluate.comparison import measure_model
 from hf_alibi.evaluate.passkey import NEW_TOKENS
 from hf_alibi.evaluate.stream import position_bounds, short
-from hf_alibi.positions import original_length, position_limit
+from hf_alibi.hub.checkpoints import read_config
 from hf_alibi.recover import recover
 
 DEFAULT_ARMS = ("original", "yarn:2", "yarn:4", "paper", "pretrained")

@@ -4,7 +4,7 @@
 For each model (a BERT pretrained with MLM, a GPT-2 with learned positions, a GPT-NeoX with rotary),
 on the embedded corpus (the interpreter's standard library source; BPE tokenizer trained on it):
 
-1. pretrain the original with its own position path at length L (cached under hf_alibi.data's cache
+1. pretrain the original with its own position path at length L (cached under hf_alibi.train.data's cache
    dir, ``recover-bench/``), and measure how much worse it gets with that path zeroed (GPT-2/BERT: the
    position table set to 0; NeoX: rotary frequencies set to 0, i.e. no rotation);
 2. convert a copy and recover it by self-distillation (``hf_alibi.recover.recover``) for N steps;
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from builders import build_model
 
-from hf_alibi.data import default_cache_dir, embedded_corpus, embedded_tokenizer
 from hf_alibi.evaluate import evaluate_perplexity
 from hf_alibi.recover import mean_pooled, recover
+from hf_alibi.train.data import default_cache_dir, embedded_corpus, embedded_tokenizer
 
 MODELS = ("bert", "gpt2", "gpt_neox")
 

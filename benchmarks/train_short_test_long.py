@@ -32,9 +32,9 @@ import torch
 from builders import build_model
 
 import hf_alibi
-from hf_alibi.data import embedded_corpus, embedded_tokenizer
 from hf_alibi.evaluate import evaluate_lengths, evaluate_perplexity
-from hf_alibi.training import scale_sequence_length
+from hf_alibi.train.data import embedded_corpus, embedded_tokenizer
+from hf_alibi.train.length_scaling import scale_sequence_length
 
 EXTRAPOLATION_ARMS = ("alibi_gpt2", "gpt2", "gpt_neox", "alibi_llama", "llama")
 

@@ -1,8 +1,7 @@
-"""``python -m hf_alibi``: the ``hf-alibi`` command (its answers that need no model came before the package's
-import: hf_alibi/__init__.py, hf_alibi_boot.answer_module_run)."""
+"""``python -m hf_alibi``: the ``hf-alibi`` command (:mod:`hf_alibi.cli`)."""
 
 import sys
 
-from hf_alibi_boot import main
+from .cli import main
 
 sys.exit(main())

@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_alibi  # noqa: F401  (registers the ALiBi model types, so ALiBi checkpoints load)
-from hf_alibi.data import embedded_corpus
 from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
+from hf_alibi.train.data import embedded_corpus
 
 
 def main() -> None:

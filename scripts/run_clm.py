@@ -47,28 +47,28 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     HfArgumentParser,
-    TrainerCallback,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 
 import hf_alibi
-from hf_alibi.data import embedded_corpus, embedded_tokenizer
-from hf_alibi.distributed import (
+from hf_alibi.convert.positions import original_length
+from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
+from hf_alibi.export.gguf import OUTTYPES, check_exportable
+from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
+from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
+from hf_alibi.train.data import embedded_tokenizer, load_raw_datasets
+from hf_alibi.train.distributed import (
     close_process_group,
     fsdp_requested,
     fsdp_requested_but_not_used,
     is_fsdp2,
     unsharded_copy,
 )
-from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
-from hf_alibi.gguf import OUTTYPES, check_exportable
-from hf_alibi.positions import original_length
-from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
-from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
-from hf_alibi.training import LengthScalingTrainer, scaled_shape
+from hf_alibi.train.length_scaling import LengthScalingTrainer, scaled_shape
+from hf_alibi.train.resume import SaveConfigCallback, check_resume, checkpoint_alibi_settings  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -153,63 +153,6 @@ class DataTrainingArguments:
             raise ValueError(f"--eval_lengths must be positive integers, got {self.eval_lengths!r}.")
 
 
-class SaveConfigCallback(TrainerCallback):
-    """Writes config.json into every checkpoint-N that lacks one. With FSDP's SHARDED_STATE_DICT the Trainer
-    saves only the shards (``pytorch_model_fsdp_0``) and the optimizer there; config.json says whether the
-    checkpoint is ALiBi, with which settings, when it is resumed or merged (``accelerate merge-weights``)."""
-
-    def on_save(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero or model is None:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
-            model.config.save_pretrained(folder)
-
-
-def checkpoint_alibi_settings(checkpoint: str | os.PathLike) -> dict | None:
-    """The ``alibi`` settings in a checkpoint folder's config.json; ``None`` when it is not an ALiBi checkpoint."""
-    config_path = os.path.join(checkpoint, "config.json")
-    if not os.path.isdir(checkpoint):
-        raise ValueError(f"--resume_from_checkpoint {checkpoint!r} is not a folder: pass output_dir/checkpoint-N.")
-    if not os.path.isfile(config_path):
-        logger.warning(f"{checkpoint} has no config.json: cannot check that it is ALiBi (or not) like this run.")
-        return None
-    with open(config_path) as f:
-        config = json.load(f)
-    if hf_alibi.is_alibi(config):
-        return config["alibi"]
-    return None
-
-
-def check_resume(model_args: ModelArguments, resume_from_checkpoint: str | None) -> None:
-    """Resuming needs the model the checkpoint was saved from: ALiBi or not, the optimizer state and the weights
-    only fit that one. An ALiBi checkpoint resumed without ``--alibi`` continues as ALiBi (with its saved heads);
-    a checkpoint without ALiBi resumed with ``--alibi`` is an error."""
-    if not resume_from_checkpoint or model_args.model_name_or_path:
-        return  # no resuming, or the model itself is loaded from a checkpoint (ALiBi or not, as saved)
-    if not os.path.isfile(os.path.join(resume_from_checkpoint, "config.json")):
-        checkpoint_alibi_settings(resume_from_checkpoint)  # not a folder: an error; no config.json: a warning
-        return
-    settings = checkpoint_alibi_settings(resume_from_checkpoint)
-    if settings is not None and not model_args.alibi:
-        logger.warning(
-            f"--resume_from_checkpoint {resume_from_checkpoint} is an ALiBi checkpoint ({settings}): "
-            "continuing as ALiBi, as with --alibi."
-        )
-        model_args.alibi = True
-    elif settings is None and model_args.alibi:
-        raise ValueError(
-            f"--resume_from_checkpoint {resume_from_checkpoint} is not an ALiBi checkpoint (no 'alibi' in its "
-            "config.json), but --alibi was given: its weights and optimizer state belong to the model with position "
-            "embeddings. Resume it without --alibi, or start a new ALiBi run (another --output_dir)."
-        )
-    if settings is not None and model_args.alibi_heads not in (None, settings["heads"]):
-        raise ValueError(
-            f"--alibi_heads {model_args.alibi_heads} but the checkpoint {resume_from_checkpoint} was trained with "
-            f"{settings['heads']} heads. Omit --alibi_heads to resume it."
-        )
-
-
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
@@ -246,38 +189,12 @@ def main():
         check_resume(model_args, resume_from_checkpoint)
 
     # Data: the Hub, local files, or the embedded corpus
-    if data_args.dataset_name is not None:
-        raw_datasets = datasets.load_dataset(
-            data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir
-        )
-        if "validation" not in raw_datasets:
-            pct = data_args.validation_split_percentage
-            raw_datasets["validation"] = datasets.load_dataset(
-                data_args.dataset_name, data_args.dataset_config_name, split=f"train[:{pct}%]"
-            )
-            raw_datasets["train"] = datasets.load_dataset(
-                data_args.dataset_name, data_args.dataset_config_name, split=f"train[{pct}%:]"
-            )
-    elif data_args.train_file is not None:
-        data_files = {"train": data_args.train_file}
-        if data_args.validation_file is not None:
-            data_files["validation"] = data_args.validation_file
-        if data_args.test_file is not None:
-            data_files["test"] = data_args.test_file
-        extension = data_args.train_file.rsplit(".", 1)[-1]
-        extension = "text" if extension == "txt" else extension
-        kwargs = {"keep_linebreaks": data_args.keep_linebreaks} if extension == "text" else {}
-        raw_datasets = datasets.load_dataset(
-            extension, data_files=data_files, cache_dir=model_args.cache_dir, **kwargs
-        )
-        if "validation" not in raw_datasets:
-            pct = data_args.validation_split_percentage
-            split = raw_datasets["train"].train_test_split(test_size=pct / 100, shuffle=False)
-            raw_datasets["train"], raw_datasets["validation"] = split["train"], split["test"]
-    else:
-        logger.info("No dataset given: using the embedded corpus (this interpreter's standard library source).")
-        with training_args.main_process_first(desc="building the embedded corpus"):
-            raw_datasets = embedded_corpus(model_args.cache_dir)
+    with training_args.main_process_first(desc="loading the data"):
+        raw_datasets = load_raw_datasets(
+            data_args.dataset_name, data_args.dataset_config_name, data_args.train_file, data_args.validation_file,
+            data_args.test_file, data_args.keep_linebreaks, data_args.validation_split_percentage,
+            model_args.cache_dir,
+        )  # fmt: skip
 
     # Tokenizer: given, the model's, or trained here on the training split
     if model_args.tokenizer_name or model_args.model_name_or_path:

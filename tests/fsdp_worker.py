@@ -3,7 +3,7 @@
 The model is sharded by accelerate's own FSDP2 code (``fsdp2_prepare_model``: ``fully_shard`` on every
 module named in the model's ``_no_split_modules``, then the embeddings / tail and the root), on the gloo
 backend, so this runs on CPUs, where accelerate 1.15 itself never selects FSDP (see
-``hf_alibi.distributed``). Each CASE is ``name[:variant[:flag...]]`` from ``tests/arch_cases.py``; flags:
+``hf_alibi.train.distributed``). Each CASE is ``name[:variant[:flag...]]`` from ``tests/arch_cases.py``; flags:
 ``untied`` (word embeddings not tied to the output layer), ``own-wrap`` (see :func:`shard`).
 
 Per case, every rank also trains an unsharded reference in plain torch: the same initial weights, the
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from arch_cases import CASES  # noqa: E402
 
 import hf_alibi  # noqa: E402
-from hf_alibi.distributed import full_state_dict, unsharded_copy  # noqa: E402
+from hf_alibi.train.distributed import full_state_dict, unsharded_copy  # noqa: E402
 
 STEPS = 3
 LR = 1e-2
@@ -198,9 +198,9 @@ def main() -> None:
     if rank == 0:
         (out / "report.json").write_text(json.dumps(gathered, indent=1))
     dist.barrier()
-    # as hf_alibi.distributed.close_process_group (run_clm's end): the GIL free a moment, so gloo's workers drop their
-    # last work before the group closes; without it a rank aborted at exit now and then ("terminate called without an
-    # active exception": three FSDP tests errored in one default-tier run here)
+    # as hf_alibi.train.distributed.close_process_group (run_clm's end): the GIL free a moment, so gloo's workers drop
+    # their last work before the group closes; without it a rank aborted at exit now and then ("terminate called
+    # without an active exception": three FSDP tests errored in one default-tier run here)
     time.sleep(0.2)
     dist.destroy_process_group()
 

@@ -104,7 +104,7 @@ def test_no_import_cycle_counting_imports_inside_functions():
 
     for name in sorted(graph):
         visit(name, [])
-    assert not any(m.startswith("hf_alibi.hub") for m in graph["hf_alibi.registry"])  # the mixin is given
+    assert not any(m.startswith("hf_alibi.hub") for m in graph["hf_alibi.convert.registry"])  # the mixin is given
     # nothing outside the command line imports it (``python -m hf_alibi`` runs it; hf_alibi.jobs is a deprecated alias)
     cli = {m for m in MODULES if m == "hf_alibi.cli" or m.startswith("hf_alibi.cli.")}
     outside = {name: graph[name] & cli for name in MODULES if name not in cli | {"hf_alibi.__main__", "hf_alibi.jobs"}}
@@ -120,7 +120,9 @@ def test_the_core_imports_only_itself():
 
 
 @pytest.mark.slow  # one interpreter per module: about 35 s each on a busy 2-core machine
-@pytest.mark.parametrize("name", ["hf_alibi.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.cli.jobs"])
+@pytest.mark.parametrize(
+    "name", ["hf_alibi.hub.checkpoints", "hf_alibi.cli", "hf_alibi.hub.card", "hf_alibi.cli.jobs"]
+)
 def test_a_module_imports_first_in_a_fresh_interpreter(name):
     """The leaves that reach across the outer layer, each imported before anything else of hf_alibi."""
     code = "import importlib, sys; importlib.import_module(sys.argv[1])"
@@ -129,15 +131,15 @@ def test_a_module_imports_first_in_a_fresh_interpreter(name):
 
 
 def test_importing_hf_alibi_loads_only_the_saving_part_of_hub():
-    code = "import sys, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
+    code = "import sys, transformers, hf_alibi; print(sorted(m for m in sys.modules if m.startswith('hf_alibi.hub')))"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split("\n")[-2] == "['hf_alibi.hub', 'hf_alibi.hub.saving']"
 
 
 def test_the_renamed_core_modeling_module_warns_and_still_resolves():
-    """hf_alibi.core.modeling is a deprecated alias of hf_alibi.core.conversion (CONTRIBUTING's deprecated names):
-    importing it warns once and gives the same objects (what code and pickles that name the alias need)."""
+    """hf_alibi.core.modeling is hf_alibi.core.conversion now (CONTRIBUTING's deprecated names): the old name warns
+    once imported and gives the same objects (what code and pickles made before the rename name)."""
     import importlib
     import sys
 
@@ -169,8 +171,18 @@ def test_the_three_alibi_predicates_are_one_and_the_old_names_warn(old):
     [
         ("hf_alibi.jobs", "hf_alibi.cli.jobs", "recover_checkpoint"),  # the command line: one package (hf_alibi/cli/)
         ("hf_alibi.evaluation", "hf_alibi.evaluate.lengths", "evaluate_lengths"),  # evaluation is one wing
+        # the loose top-level modules, each in its wing
+        ("hf_alibi.patch", "hf_alibi.convert.patch", "patch_model"),
+        ("hf_alibi.planning", "hf_alibi.convert.planning", "resolve_options"),
+        ("hf_alibi.registry", "hf_alibi.convert.registry", "get_architecture"),
+        ("hf_alibi.positions", "hf_alibi.convert.positions", "original_length"),
+        ("hf_alibi.fit", "hf_alibi.convert.fit", "fit_slopes"),
+        ("hf_alibi.gguf", "hf_alibi.export.gguf", "export_gguf"),
+        ("hf_alibi.checkpoints", "hf_alibi.hub.checkpoints", "open_source"),
+        ("hf_alibi.distributed", "hf_alibi.train.distributed", "unsharded_copy"),
+        ("hf_alibi.training", "hf_alibi.train.length_scaling", "LengthScalingTrainer"),
     ],
-    ids=["jobs", "evaluation"],
+    ids=lambda value: value.rsplit(".", 1)[-1] if value.startswith("hf_alibi.") else None,
 )
 def test_a_moved_modules_old_name_warns_and_is_the_same_module(old, new, name):
     """A module moved into its wing keeps its old name as an alias for one release (CONTRIBUTING: deprecated names):
@@ -186,3 +198,77 @@ def test_a_moved_modules_old_name_warns_and_is_the_same_module(old, new, name):
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("hf_alibi.models", "hf_alibi.convert.models"), ("hf_alibi.data", "hf_alibi.train.data")]
+)
+def test_the_kept_old_names_are_the_same_module_without_a_warning(old, new):
+    """hf_alibi.models is the module the Alibi<Class> classes name (pickles and user code import it) and
+    hf_alibi.data is what the notebooks import: both stay, the same module object, silently."""
+    code = (
+        f"import warnings, {new} as new\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    import {old} as old\n"
+        "assert old is new and not caught, caught\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
+REGISTERED = """
+import sys
+{first}
+from transformers import CONFIG_MAPPING
+print("alibi_gpt2" in CONFIG_MAPPING, "alibi_sdpa" in __import__("transformers").AttentionInterface._global_mapping)
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import hf_alibi",  # hf_alibi before transformers: registered once transformers is imported
+        "import transformers; import hf_alibi",  # transformers first: registered by the import of hf_alibi
+        "from hf_alibi.convert.registry import get_architecture",  # a module of hf_alibi first (imports transformers)
+        "from hf_alibi.evaluate import lengths",  # a wing whose import loads transformers
+        "import hf_alibi.models",  # what a pickle of an Alibi<Class> imports
+    ],
+)
+def test_importing_hf_alibi_registers_whichever_comes_first(first):
+    """``import hf_alibi`` is light, and what it promises holds: hf_alibi's model types and attention functions are
+    registered with transformers (``AutoModel.from_pretrained(converted folder)`` after ``import hf_alibi``)."""
+    child = subprocess.run([sys.executable, "-c", REGISTERED.format(first=first)], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "True True", (first, child.stdout)
+
+
+def test_import_hf_alibi_is_light_and_no_module_runs_twice():
+    """``import hf_alibi`` loads neither torch nor transformers (the command line's answers come first); after the
+    command line and a job's library are imported, every file of hf_alibi is one module object (no copy under another
+    name: a moved module's old name is the same object)."""
+    code = (
+        "import sys, hf_alibi; light = not {'torch', 'transformers'} & set(sys.modules); "
+        "import hf_alibi.cli, hf_alibi.cli.jobs, hf_alibi.jobs; "
+        "mods = [m for m in list(sys.modules.values()) if 'hf_alibi' in (getattr(m, '__file__', None) or '')]; "
+        "files = {m.__file__: set() for m in mods}; [files[m.__file__].add(id(m)) for m in mods]; "
+        "print(light, sorted(f for f, ids in files.items() if len(ids) > 1))"
+    )
+    child = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "True []"
+
+
+def test_the_planner_runs_without_torch():
+    """hf_alibi.convert.planning is torch-free in every function, not only at module level: a preset's option that is
+    a multiple of the original length asks original_length, which reads the row without torch."""
+    code = (
+        "import sys; from hf_alibi.convert import planning\n"
+        "config = {'model_type': 'roberta', 'max_position_embeddings': 66, 'pad_token_id': 1}\n"
+        "row = planning.builtin_rows()[0]['roberta']\n"
+        "values = planning.resolve_options(planning.config_fields(config), row, 'pretrained')\n"
+        "print(planning.original_length(config), sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[-2] == "64 []"

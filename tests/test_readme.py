@@ -19,7 +19,8 @@ Substitutions, each asserted to be there, so that an edit of README that drops o
   ``my-llama``, ``my-gpt2`` and ``notes.txt`` (names README uses for the user's own) are made here, tiny;
   ``--max_steps 500`` becomes ``--max_steps 2`` (README gives the time of 500 in words); ``--push-to-hub REPO
   --private`` is dropped and the convert runs (the upload is tests/hub/test_hub.py's, against a stand-in Hub); the
-  ``serve`` lines, last in the block, are not run (they serve until stopped: tests/test_serve.py, tests/test_vllm.py).
+  ``serve`` lines, last in the block, are not run (they serve until stopped: tests/serve/test_serve.py,
+  tests/serve/test_vllm.py).
 
 The numbers the blocks make are then checked: the reloaded checkpoint gives the converted model's logits, the
 compiled pretrained conversion (sinks, slope scale, retained rotary: README's own compile line) the eager ones, and
@@ -36,7 +37,7 @@ from sharing import REPO_ROOT, run_child
 from tiny import tiny_gpt2
 
 from hf_alibi import cli
-from hf_alibi.data import train_tokenizer
+from hf_alibi.train.data import train_tokenizer
 
 HUB_ID = '"HuggingFaceTB/SmolLM2-135M-Instruct"'
 COMPILE = "torch.compile(model, fullgraph=True)"

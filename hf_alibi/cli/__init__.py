@@ -9,12 +9,12 @@
 
 The command line is this package: :mod:`~hf_alibi.cli.parser` (every command's flags, from their declarations; the
 one reader of a passed-on option; the one error exit), :mod:`~hf_alibi.cli.checks` (what needs no model: paths,
-texts, option values through :mod:`hf_alibi.planning`), both without torch, and :mod:`~hf_alibi.cli.jobs` (with the
-library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, ``compare`` through
+texts, option values through :mod:`hf_alibi.convert.planning`), both without torch, and :mod:`~hf_alibi.cli.jobs`
+(with the library: ``convert_checkpoint``, ``recover_checkpoint``, ``checkpoint_info``, ``compare`` through
 :func:`hf_alibi.evaluate.compare`, and :func:`~hf_alibi.cli.jobs.run`,
 which calls one and reports). This module answers what needs no model (:func:`answer`), then runs the job
-(:func:`run_job`). ``hf-alibi`` runs it before ``hf_alibi/__init__.py`` (which imports torch): see
-:mod:`hf_alibi_boot`.
+(:func:`run_job`). ``hf-alibi`` is :func:`main` (pyproject.toml's ``[project.scripts]``); ``import hf_alibi`` is light
+(hf_alibi/__init__.py), so the help, the version and every error that needs no model come before torch loads.
 
 SRC is a local checkpoint folder or a Hub id. OUT gets safetensors weights, config.json with the ALiBi
 settings and ``auto_map``, ``modeling_alibi.py`` (for ``trust_remote_code=True``), the tokenizer when
@@ -33,9 +33,8 @@ import sys
 
 # Module level imports only the standard library and hf_alibi's modules that import neither torch nor transformers:
 # the command line is parsed, and the help, the version and every error that needs no model answered, before the
-# library is imported (seconds). ``hf-alibi`` runs this package without hf_alibi/__init__.py (hf_alibi_boot); a job
-# then runs in the real ``hf_alibi.cli.jobs`` (:func:`run_job`), where the library's own exception classes are caught.
-from ..checkpoints import (
+# library is imported (seconds); a job then runs in ``hf_alibi.cli.jobs`` (:func:`run_job`).
+from ..hub.checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: callers of the CLI import it from here)
     check_source,
 )
@@ -69,8 +68,7 @@ def answer(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argp
 
 
 def run_job(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Run what :func:`answer` checked, with the library imported: the real ``hf_alibi.cli.jobs`` (where ``hf-alibi``
-    ran this package under hf_alibi_boot's name, the library is imported now)."""
+    """Run what :func:`answer` checked, with the library imported (``hf_alibi.cli.jobs``)."""
     return importlib.import_module("hf_alibi.cli.jobs").run(args)
 
 
@@ -99,14 +97,14 @@ def _serve(parser, argv: list[str]) -> argparse.Namespace:
 
 
 def _exec_vllm(argv: list[str], limits) -> None:
-    """vLLM's OpenAI server in this process's place, every process of it started as hf_alibi_boot.vllm starts them,
-    its requests bounded by ``limits`` (:mod:`hf_alibi.serve.vllm.guard`, added as vLLM's --middleware)."""
+    """vLLM's OpenAI server in this process's place: ``python -m hf_alibi_boot.vllm``, which starts every process of it
+    as vLLM's entrance must (hf_alibi_boot/vllm/server.py; run, not imported: nothing of hf_alibi imports it), its
+    requests bounded by ``limits`` (:mod:`hf_alibi.serve.vllm.guard`, added as vLLM's ``--middleware``)."""
     if importlib.util.find_spec("vllm") is None:
         raise CliError("--engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md).")
-    from hf_alibi_boot.vllm.server import exec_server
-
-    os.environ.update(limits_environment(limits))
-    exec_server([*argv, "--middleware", VLLM_MIDDLEWARE])
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "hf_alibi_boot.vllm", *argv, "--middleware", VLLM_MIDDLEWARE],
+              {**os.environ, **limits_environment(limits)})  # fmt: skip
 
 
 if __name__ == "__main__":

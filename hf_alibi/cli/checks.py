@@ -1,43 +1,41 @@
 """The ``hf-alibi`` command line's checks that need no model: paths, text files, upload flags, the conversion
-options' values (against SRC's config.json and its architecture row: :mod:`hf_alibi.planning`'s rules), ``serve``'s
-engine, cap and port.
+options' values (against SRC's config.json and its architecture row: :mod:`hf_alibi.convert.planning`'s rules),
+``serve``'s engine, cap and port.
 
 They run before the library is imported, so that every error a user can cause answers at once; the jobs check the
 same again (they are library functions too). Imports only the standard library and hf_alibi's modules that import
-neither torch nor transformers (tests/test_cli_startup.py).
+neither torch nor transformers (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import check_output, check_source, is_hub_id, is_local
-from ..core.settings import check_pretrained_options, conversion_options
-from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs
-from ..gguf import check_output_file
-from ..planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported for callers of the CLI)
+from ..convert.planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-exported for callers of the CLI)
     HEAD_FIELDS,
     HeadsMismatch,
     applies,
+    builtin_rows,
     check_heads,
     config_fields,
     config_heads,
     encoder_variant_for,
     resolve_options,
 )
+from ..core.settings import check_pretrained_options, conversion_options
+from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs
+from ..export.gguf import check_output_file
+from ..hub.checkpoints import check_output, check_source, is_hub_id, is_local
 from ..recover.settings import settings_from_flags
 from ..serve.request_checks import LIMIT_FLAGS, Limits
 from .parser import SERVE_FLAGS, SERVING_ENGINES, CliError, flag, take_option
 
 OPTIONS: tuple[str, ...] = tuple(f.name for f in conversion_options())
-# the patches modules of the converted rows (hf_alibi.patches; patches/native.py imports hf_alibi.native, and so torch)
-_ROW_MODULES = ("absolute", "relative", "rotary")
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -80,10 +78,10 @@ def check_compare(args: argparse.Namespace) -> None:
 
 def check_conversion_values(args: argparse.Namespace) -> None:
     """``convert``'s heads and options checked by the planner :func:`hf_alibi.plan_conversion` calls
-    (:mod:`hf_alibi.planning`), from SRC's config.json read as JSON (a folder here; a Hub id is the job's): the head
-    count, the encoder variant, the values as they would be stored (the explicit ones: a preset's apply only where
-    they fit) with each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where it
-    applies (the type's row)."""
+    (:mod:`hf_alibi.convert.planning`), from SRC's config.json read as JSON (a folder here; a Hub id is the job's):
+    the head count, the encoder variant, the values as they would be stored (the explicit ones: a preset's apply only
+    where they fit) with each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where
+    it applies (the type's row)."""
     config = _local_config(args.src)
     fields = config_fields(config)  # config.json's fields, as the declarations read a config's
     try:
@@ -130,14 +128,10 @@ def _local_config(src: str) -> dict[str, Any]:
 
 
 def builtin_row(model_type: str | None):
-    """The built-in architecture row of ``model_type`` (hf_alibi.patches: plain data, read without torch), or
-    ``None`` (not a converted type: the job says what it is)."""
-    package = __name__.partition(".")[0]  # hf_alibi, or the command line's copy of its folder (hf_alibi_boot)
-    for name in _ROW_MODULES:
-        for row in importlib.import_module(f"{package}.patches.{name}").ROWS:
-            if row.model_type == model_type:
-                return row
-    return None
+    """The built-in architecture row of ``model_type`` (:func:`hf_alibi.convert.planning.builtin_rows`: plain data,
+    read without torch), or ``None``: not a converted type (a type trained with ALiBi included: the job says what it
+    is)."""
+    return builtin_rows()[0].get(model_type)
 
 
 def _check_push_arguments(args) -> None:

@@ -7,7 +7,7 @@ in a command line that is passed on (:func:`take_option`: ``serve``'s); the one 
 from its name.
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers: ``hf-alibi``
-builds this parser before the library is imported (hf_alibi_boot, tests/test_cli_startup.py).
+builds this parser before the library is imported (hf_alibi_boot, tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..checkpoints import CheckpointError
 from ..core.names import ENCODER_VARIANTS
 from ..core.settings import conversion_options, flag_spellings, presets
 from ..core.version import __version__
 from ..evaluate.inputs import DEFAULT_LENGTHS, DEFAULT_MAX_TOKENS, DEPTHS, PLOT_FILE, RESULTS_FILE
-from ..gguf import OUTTYPES, GGUFExportError
+from ..export.gguf import OUTTYPES, GGUFExportError
+from ..hub.checkpoints import CheckpointError
 from ..recover.settings import add_setting_flags
 from ..serve.request_checks import Limits
 

@@ -26,6 +26,7 @@ from .compat import (
 from .names import (
     ENGINE_GRANT,
     FOREIGN,
+    LENGTH_FIELDS,
     MODEL_TYPE_PREFIX,
     REFUSED_BACKENDS,
     RUNNING_BACKENDS,
@@ -58,8 +59,6 @@ REMOVED_FIELD_MARKER = "removed by hf_alibi: this is an ALiBi checkpoint"
 # min(model_max_length, max_position_embeddings); generate caps max_length by it; rope validation compares
 # original_max_position_embeddings with it), where None raised TypeError. config.json keeps the marker.
 NO_MAXIMUM = int(1e30)
-# transformers' names for the longest input a config states, in the order a config is read (positions.py)
-LENGTH_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 # Auto classes named in the marker's advice, most specific first.
 _ADVISED_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
 

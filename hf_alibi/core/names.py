@@ -23,6 +23,9 @@ if BIAS_KINDS != _ALL_FORMS:  # kernels.py spells them to import nothing
 
 LIBRARY_PREFIX, REMOTE_PREFIX = "alibi_", "alibi_remote_"
 MODEL_TYPE_PREFIX = "alibi_"  # a converted model's type: alibi_<type>
+# transformers' names for the longest input a config states, in the order a config is read (the outer layer's
+# hf_alibi.convert.planning.original_length reads them without torch)
+LENGTH_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx")
 # what a stored name that no hf_alibi path knows is dispatched to (an engine that wrote it past the setter)
 FOREIGN = "foreign"
 # this copy's prefix: the library's own core, or the remote code a checkpoint carries

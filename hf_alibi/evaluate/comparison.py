@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import CheckpointError, open_source
+from ..convert.positions import original_length
 from ..core.names import is_alibi
-from ..positions import original_length
+from ..hub.checkpoints import CheckpointError, open_source
 from . import passkey as pk
 from .inputs import (
     DEFAULT_LENGTHS,
@@ -78,7 +78,7 @@ def read_text(text: str | os.PathLike | None = None, dataset: str | None = None,
             raise CompareError(f"--dataset {dataset!r} has no 'text' column (it has {data.column_names}).")
         content = "\n\n".join(data["text"])
     else:
-        from ..data import embedded_corpus
+        from ..train.data import embedded_corpus
 
         content = "".join(embedded_corpus()["validation"]["text"])
     if not content.strip():

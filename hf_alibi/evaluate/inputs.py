@@ -1,7 +1,7 @@
 """What ``compare`` checks before any model loads, each with one line that says what to do (:class:`CompareError`).
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers: the command line
-asks :func:`check_configs` before the library is imported (tests/test_cli_startup.py);
+asks :func:`check_configs` before the library is imported (tests/cli/test_cli_startup.py);
 :func:`hf_alibi.evaluate.comparison.compare` asks the same again, then the rest (the tokenizers, the text's length, the
 output folder) once the tokenizers are read.
 
@@ -63,7 +63,7 @@ def check_configs(configs: Mapping[str, Mapping[str, Any]]) -> None:
 
 def local_configs(models: Sequence[str]) -> dict[str, dict[str, Any]]:
     """config.json of each model that is a folder here (read as JSON, no transformers); Hub ids are the library's."""
-    from ..checkpoints import check_source, is_local
+    from ..hub.checkpoints import check_source, is_local
 
     configs = {}
     for name in models:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..positions import position_limit
+from ..convert.positions import position_limit
 
 PROTOCOLS = ("nonoverlapping", "sliding")
 

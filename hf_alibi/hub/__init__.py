@@ -42,6 +42,8 @@ _HOMES = {
     "lift_length_limits": "folder",
     "select_companions": "folder",
     "write_converted": "folder",
+    "checkpoint_info": "info",
+    "learned_slopes": "info",
 }
 __all__ = [
     "AlibiPreTrainedMixin",
@@ -52,9 +54,11 @@ __all__ = [
     "add_remote_code",
     "auto_classes_for",
     "auto_map_for",
+    "checkpoint_info",
     "companion_files",
     "copy_companions",
     "finish_folder",
+    "learned_slopes",
     "lift_length_limits",
     "model_card",
     "push_folder",
@@ -67,6 +71,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .card import PIPELINE_TAGS, model_card, write_model_card
     from .folder import companion_files, copy_companions, lift_length_limits, select_companions, write_converted
+    from .info import checkpoint_info, learned_slopes
     from .remote_code import (
         REMOTE_CODE_FILE,
         REMOTE_MODULE,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoints import is_hub_id
 from ..core.config import get_settings
 from ..core.settings import conversion_options
 from ..core.version import __version__
+from .checkpoints import is_hub_id
 from .compat import name_or_path
 from .remote_code import REMOTE_CODE_FILE, auto_classes_for
 

@@ -17,8 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoints import CheckpointError, Source, name_and_place
 from ..core.config import NO_MAXIMUM
+from .checkpoints import CheckpointError, Source, name_and_place
 from .saving import finish_folder
 
 WEIGHT_SUFFIXES = (

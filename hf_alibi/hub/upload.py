@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import is_alibi
+from .checkpoints import is_alibi
 
 
 class HubConnectionError(ConnectionError):

@@ -24,7 +24,7 @@ input embeddings, faded linearly to zero over the first steps while ALiBi is on;
 Modules (each one job; everything public is re-exported here):
 
 - ``kinds``: what kind of model (causal, encoder, seq2seq); its position table and length are
-  :mod:`hf_alibi.positions`;
+  :mod:`hf_alibi.convert.positions`;
 - ``losses``: the distillation losses; ``trainer``: the Trainer that applies them;
 - ``warm_start``: the warm-start lever (a new lever goes in a module of its own, used by ``trainer``);
 - ``metrics``: agreement with the teacher at 1x..8x the original length;
@@ -32,7 +32,7 @@ Modules (each one job; everything public is re-exported here):
 - ``settings``: :class:`RecoverySettings`, every setting of :func:`recover` declared once (its flag, its check);
   ``lengths``: the bounded lengths; neither imports torch or transformers, so ``hf-alibi recover``'s parser reads them;
 - ``api``: :func:`recover` and :class:`RecoveryResult`; ``summary``: the model card's recovery section;
-- what ``hf-alibi recover`` runs (folders in and out) is :func:`hf_alibi.cli.jobs.recover_checkpoint`.
+- what ``hf-alibi recover`` runs (folders in and out) is :func:`recover_checkpoint` (``checkpoint``).
 
 Example:
     >>> from hf_alibi.recover import RecoverySettings, recover
@@ -51,10 +51,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 _SUBMODULES = (
-    "api", "blocks", "kinds", "lengths", "lora", "losses", "metrics", "settings", "summary", "trainer", "warm_start"
+    "api", "blocks", "checkpoint", "kinds", "lengths", "lora", "losses", "metrics", "settings", "summary", "trainer",
+    "warm_start",
 )  # fmt: skip
 _HOMES = {
-    "original_length": "..positions",
+    "original_length": "..convert.positions",
+    "recover_checkpoint": ".checkpoint",
     "RecoveryResult": ".api",
     "recover": ".api",
     "read_texts": ".blocks",
@@ -101,15 +103,17 @@ __all__ = [
     "original_length",
     "read_texts",
     "recover",
+    "recover_checkpoint",
     "recovery_card_section",
     "token_stream",
     "write_recovery_card",
 ]
 
 if TYPE_CHECKING:
-    from ..positions import original_length
+    from ..convert.positions import original_length
     from .api import RecoveryResult, recover
     from .blocks import read_texts, token_stream
+    from .checkpoint import recover_checkpoint
     from .kinds import CAUSAL_MODEL, ENCODER_MODEL, MODEL_KINDS, SEQ2SEQ_MODEL, model_kind
     from .losses import distillation_loss, hidden_state_mse, kl_next_token
     from .metrics import agreement, embedding_cosine, format_agreement, mean_pooled, next_token_kl

@@ -13,12 +13,12 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments, default_data_collator
 from transformers.trainer_callback import PrinterCallback
 
+from ..convert.fit import fit_slopes
+from ..convert.patch import ConversionPlan, patch_model, plan_conversion
+from ..convert.positions import original_length, position_table
 from ..core.config import get_settings
 from ..core.names import is_alibi
-from ..fit import fit_slopes
 from ..hub.compat import name_or_path
-from ..patch import ConversionPlan, patch_model, plan_conversion
-from ..positions import original_length, position_table
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
 from .lengths import check_text_length, resolve_lengths
@@ -86,8 +86,8 @@ def recover(
         eval_texts: held-out text for the agreement figures (default: the end of ``texts``).
         log: where the agreement lines go (None: nowhere).
         plan: the conversion already planned from ``settings`` and the teacher's config
-            (:func:`hf_alibi.patch.plan_conversion`: :func:`hf_alibi.cli.jobs.recover_checkpoint` plans it before the
-            teacher loads); default: planned here.
+            (:func:`hf_alibi.convert.patch.plan_conversion`: :func:`hf_alibi.recover.recover_checkpoint` plans it
+            before the teacher loads); default: planned here.
         **overrides: settings by name, over ``settings`` (``recover(model, texts, tokenizer, max_steps=300)``);
             an unknown name is a ``TypeError`` that lists the known ones.
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import CheckpointError
+from ..hub.checkpoints import CheckpointError
 
 
 def read_texts(path: str | os.PathLike) -> list[str]:
     """The texts of a local file: ``.txt`` (the whole file, one text), ``.jsonl`` / ``.json`` (the ``text``
-    field of every record). Raises :class:`~hf_alibi.checkpoints.CheckpointError` (a ``ValueError``) when
+    field of every record). Raises :class:`~hf_alibi.hub.checkpoints.CheckpointError` (a ``ValueError``) when
     the file is missing, unreadable or holds no text.
 
     >>> read_texts("notes.jsonl")    # {"text": ...} per line

@@ -1,12 +1,12 @@
-"""What kind of model a teacher is (its position table and length: :mod:`hf_alibi.positions`)."""
+"""What kind of model a teacher is (its position table and length: :mod:`hf_alibi.convert.positions`)."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from ..convert.registry import get_architecture
 from ..core.config import get_settings
 from ..core.names import is_alibi
-from ..registry import get_architecture
 from .settings import HIDDEN_LAYERS  # noqa: F401  (re-exported: declared beside the hidden_layers setting)
 
 CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL = "causal", "encoder", "seq2seq"

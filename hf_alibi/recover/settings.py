@@ -11,7 +11,7 @@ The checks that need the teacher's length or several settings at once are :func:
 length limit comes from its config); the lengths themselves are :mod:`hf_alibi.recover.lengths`'.
 
 This module imports only the standard library and :mod:`hf_alibi.core.settings` (neither torch nor transformers):
-``hf-alibi recover --help`` builds its flags from it before the library loads (tests/test_cli_startup.py).
+``hf-alibi recover --help`` builds its flags from it before the library loads (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..convert.planning import check_fit_slopes
 from ..core.names import ENCODER_VARIANTS
 from ..core.settings import conversion_options, flag_spellings, preset_name, presets
 from .lengths import EVAL_FACTORS, MAX_DEFAULT_LENGTH, MAX_EVAL_LENGTH
@@ -46,7 +47,7 @@ def setting(
     distill: bool = False,
 ):
     """A recovery setting, declared once as a field of :class:`RecoverySettings`: a keyword of
-    :func:`~hf_alibi.recover.recover` and :func:`~hf_alibi.cli.jobs.recover_checkpoint`; with ``flag`` (the
+    :func:`~hf_alibi.recover.recover` and :func:`~hf_alibi.recover.recover_checkpoint`; with ``flag`` (the
     ``argparse.add_argument`` keywords: ``type``, ``help``, ``choices``, ...) the ``hf-alibi recover`` flags
     ``--name-with-dashes`` and ``--name_with_underscores``, default ``default``; ``check(name, value)`` runs when
     the settings are made; ``distill``: a keyword of :class:`~hf_alibi.recover.DistillationTrainer`, so also
@@ -104,7 +105,7 @@ def _factors(name: str, value: Any) -> None:
 def _with_conversion_options(cls: type) -> type:
     """The conversion options (:func:`hf_alibi.core.settings.conversion_options`, declared there once) as fields
     of ``cls``, default None (the preset's value, else the paper's), with their own flags; checked by the conversion
-    (``hf_alibi.patch.settings_for``), as :func:`hf_alibi.patch_model` checks them."""
+    (``hf_alibi.convert.patch.settings_for``), as :func:`hf_alibi.patch_model` checks them."""
     annotations = cls.__dict__["__annotations__"]
     for option in conversion_options():
         annotations[option.name] = option.type if str(option.type).endswith("None") else f"{option.type} | None"
@@ -200,8 +201,9 @@ class RecoverySettings:
     )  # fmt: skip
     preset: str | None = setting(
         "pretrained",
-        "Conversion preset (its values: hf_alibi.patch.PRESETS); 'paper' or None: the paper's method (kept as None).",
-        flag={"help": "conversion preset (hf_alibi.patch.PRESETS); 'paper': the paper's ALiBi"},
+        "Conversion preset (its values: hf_alibi.convert.patch.PRESETS); 'paper' or None: the paper's method (kept as "
+        "None).",
+        flag={"help": "conversion preset (hf_alibi.convert.patch.PRESETS); 'paper': the paper's ALiBi"},
         check=_known_preset,
     )
     fit_slopes: bool | None = setting(
@@ -387,22 +389,6 @@ def check_settings(
     if settings.fit_slopes and settings.preset is None:
         raise ValueError("fit_slopes needs the pretrained preset (sinks, retained rotary): drop preset='paper'.")
     return settings
-
-
-def check_fit_slopes(fit: bool | None, options: dict[str, Any]) -> None:
-    """The one error for slopes asked to be fitted and given at once (``options``: the conversion options given),
-    for ``hf-alibi convert --fit-slopes`` and :func:`~hf_alibi.recover.recover`'s ``fit_slopes``.
-
-    >>> check_fit_slopes(True, {"slope_scale": 0.1})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: --fit-slopes computes the slopes: drop --slope-scale (slope_scale), or fit none ...
-    """
-    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
-    if fit and given:
-        raise ValueError(
-            f"--fit-slopes computes the slopes: drop {' and '.join(flag_spellings(n)[0] for n in given)} "
-            f"({', '.join(given)}), or fit none (recover: --no-fit-slopes, fit_slopes=False)."
-        )
 
 
 def _finite(value) -> bool:

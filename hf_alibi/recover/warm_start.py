@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from ..convert.positions import position_table
 from ..core.config import get_settings
-from ..positions import position_table
 
 
 class PositionWarmStart:

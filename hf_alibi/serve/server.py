@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from ..checkpoints import CheckpointError, is_alibi, read_config
+from ..hub.checkpoints import CheckpointError, is_alibi, read_config
 from .request_checks import Limits
 
 DEFAULTS = Limits()
@@ -38,8 +38,8 @@ def serving_class(model: str) -> type:
     >>> hf_alibi.serve.serving_class("./my-alibi-llama").__name__  # doctest: +SKIP
     'AlibiLlamaForCausalLM'
     """
-    from .. import models
-    from ..registry import get_native_architecture
+    from ..convert import models
+    from ..convert.registry import get_native_architecture
 
     config = read_config(model, "MODEL")
     native = get_native_architecture(config.get("model_type", ""))
@@ -74,7 +74,7 @@ def native_loader(config: dict, model: str) -> type:
     that, since transformers' own class takes only eager."""
     import transformers
 
-    from ..patch import patch_model
+    from ..convert.patch import patch_model
 
     name = (config.get("architectures") or [None])[0]
     original = getattr(transformers, name, None) if isinstance(name, str) else None
@@ -105,7 +105,7 @@ def native_loader(config: dict, model: str) -> type:
 _NATIVE_SERVING: dict[type, type] = {}  # transformers' class of a model trained with ALiBi -> its serving subclass
 
 
-# transformers' server whose requests guard.py checks and bounds (tests/test_serve_guard.py): on 5.19 (vLLM's CPU
+# transformers' server whose requests guard.py checks and bounds (tests/serve/test_serve_guard.py): on 5.19 (vLLM's CPU
 # pin) a completion's max_tokens was seen not honoured behind the guard, so the cap would not hold there
 SERVER_CHECKED = "5.24"
 

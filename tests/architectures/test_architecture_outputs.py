@@ -83,9 +83,7 @@ def check_outputs(case, original, converted_out, original_out, reference):
 
 
 def test_every_absolute_row_has_its_table_here():
-    absolute = {
-        t for t in hf_alibi.supported_model_types() if hf_alibi.registry.get_architecture(t).strategy == "absolute"
-    }
+    absolute = {t for t in hf_alibi.supported_model_types() if hf_alibi.get_architecture(t).strategy == "absolute"}
     assert absolute == set(POSITION_TABLES)
 
 

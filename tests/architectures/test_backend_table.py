@@ -14,8 +14,8 @@ from sharing import REPO_ROOT, output_tensor
 from transformers import PreTrainedModel
 
 import hf_alibi
+from hf_alibi.convert.registry import alibi_classes
 from hf_alibi.core.kernels import KERNELS, RUNNING_BACKENDS
-from hf_alibi.registry import alibi_classes
 
 # transformers' flag per backend of the kernel table that runs (its row's ``flag``; None: every model takes it)
 FLAGS = {kernel.name: kernel.flag for kernel in KERNELS if kernel.runs}

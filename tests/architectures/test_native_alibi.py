@@ -398,7 +398,7 @@ def test_info_says_a_saved_folder_is_natively_alibi(tmp_path, capsys):
 def test_export_gguf_says_what_reads_the_original_format(case, tmp_path, capsys):
     """The folder stays the original format, which llama.cpp's own converter reads (bloom, mpt); its falcon is
     rotary only. One line, nothing written, for a saved folder and for the patched model object."""
-    from hf_alibi.gguf import GGUFExportError
+    from hf_alibi.export.gguf import GGUFExportError
 
     _, model = patched(case)
     model.save_pretrained(tmp_path / "folder")

@@ -112,7 +112,7 @@ def test_a_projection_before_the_table_is_refused_and_the_preset_leaves_it_out()
 
 
 def test_the_preset_folds_128_rows_on_absolute_rows_only():
-    assert hf_alibi.patch.PRESETS["pretrained"]["position_mean"] == 128
+    assert hf_alibi.convert.patch.PRESETS["pretrained"]["position_mean"] == 128
     model = bert()
     types = model.embeddings.token_type_embeddings.weight.detach().clone()
     table = model.embeddings.position_embeddings.weight.detach().clone()

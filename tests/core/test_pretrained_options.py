@@ -20,8 +20,8 @@ from reference import (
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
+from hf_alibi.convert.patch import PRESETS
 from hf_alibi.core.flash import flash_alibi_attention
-from hf_alibi.patch import PRESETS
 
 LENGTH = 24  # past the tiny configs' 16 positions
 THETA = 10000.0
@@ -418,7 +418,7 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
     samples = {int: "3", float: "3.5", slope_list: "0.5,0.25,0.125,1"}
     commands = ["convert SRC OUT", "recover SRC OUT --train-file F"]
     for option in options:
-        for function in (hf_alibi.patch_model, hf_alibi.patch.settings_for):
+        for function in (hf_alibi.patch_model, hf_alibi.convert.patch.settings_for):
             parameter = inspect.signature(function).parameters[option.name]
             assert (parameter.kind, parameter.default) == (inspect.Parameter.KEYWORD_ONLY, None), function
         # recover() takes its settings as one object, the options among its fields, and by keyword
@@ -451,7 +451,7 @@ def test_preset_lengths_are_the_original_length_not_the_table_size():
     preset's table bound is 1x the original length, 512 (it read max_position_embeddings itself, 514)."""
     from transformers import LlamaConfig, RobertaConfig
 
-    from hf_alibi.patch import settings_for
+    from hf_alibi.convert.patch import settings_for
 
     roberta = RobertaConfig(max_position_embeddings=514, pad_token_id=1, num_attention_heads=4, hidden_size=32)
     assert settings_for(roberta, preset="pretrained").table_max_wavelength == 512.0

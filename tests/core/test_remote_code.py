@@ -14,12 +14,12 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_alibi
+from hf_alibi.convert.registry import alibi_classes
 from hf_alibi.core import dispatch, modeling_alibi
 from hf_alibi.core.architectures import find_architecture
 from hf_alibi.core.kernels import KERNELS
 from hf_alibi.hub import REMOTE_CODE_FILE, auto_classes_for
 from hf_alibi.recover.trainer import loss_is_per_batch_mean
-from hf_alibi.registry import alibi_classes
 
 CORE = Path(hf_alibi.__file__).parent / "core"
 # What a checkpoint's code may import besides its sibling files: torch, transformers, the standard library.

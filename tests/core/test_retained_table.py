@@ -16,7 +16,7 @@ from sharing import check_cli_convert
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
-from hf_alibi.patch import PRESETS
+from hf_alibi.convert.patch import PRESETS
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
 ROWS = 40  # the tiny tables' length; inputs below run past it

@@ -316,8 +316,8 @@ def test_the_table_names_the_first_model_as_the_ratios_base(pair, tmp_path):
 
 
 def test_the_text_comes_from_a_file_a_datasets_name_or_the_embedded_corpus(tmp_path):
-    from hf_alibi.data import embedded_corpus
     from hf_alibi.evaluate.comparison import read_text
+    from hf_alibi.train.data import embedded_corpus
 
     (tmp_path / "notes.txt").write_text("some notes")
     assert read_text(tmp_path / "notes.txt") == "some notes"

@@ -1,5 +1,5 @@
-"""hf_alibi/checkpoints.py and hf_alibi/positions.py: one answer to each question about a checkpoint and its
-positions (the package's imports: tests/test_imports.py)."""
+"""hf_alibi/hub/checkpoints.py and hf_alibi/convert/positions.py: one answer to each question about a checkpoint and
+its positions (the package's imports: tests/test_imports.py)."""
 
 import time
 
@@ -8,9 +8,9 @@ import torch
 from arch_cases import CASE_IDS, CASES
 from transformers import GPT2Config, LlamaConfig, RobertaConfig, RobertaModel, T5Config
 
-from hf_alibi import checkpoints
-from hf_alibi.checkpoints import CheckpointError, is_alibi, source_kind
-from hf_alibi.positions import original_length, position_limit, position_table
+from hf_alibi.convert.positions import original_length, position_limit, position_table
+from hf_alibi.hub import checkpoints
+from hf_alibi.hub.checkpoints import CheckpointError, is_alibi, source_kind
 from hf_alibi.recover import original_length as model_original_length
 
 
@@ -34,7 +34,7 @@ def test_roberta_length_is_what_the_model_can_run():
     config_dict = model.config.to_dict()
     assert original_length(config_dict) == original_length(model.config) == original_length(model) == 64
     assert model_original_length(model) == 64  # hf_alibi.recover
-    assert position_limit(model) == 64  # hf_alibi.positions (was 66: the table's rows)
+    assert position_limit(model) == 64  # hf_alibi.convert.positions (was 66: the table's rows)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

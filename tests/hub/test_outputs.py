@@ -13,9 +13,9 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 import hf_alibi
 from hf_alibi import cli
+from hf_alibi.convert.positions import original_length
 from hf_alibi.core.config import REMOVED_FIELD_MARKER
 from hf_alibi.hub import companion_files, copy_companions
-from hf_alibi.positions import original_length
 
 ORIGINAL_MAX = 16  # the tiny models' positions
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

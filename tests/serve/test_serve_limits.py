@@ -1,5 +1,5 @@
 """``hf-alibi serve``'s bounds on hostile clients (hf_alibi/serve/guard.py, hf_alibi/serve/connections.py), measured
-from outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py's start and stop), plain and
+from outside: the real server on 127.0.0.1 (a child process, tests/serve/test_serve.py's start and stop), plain and
 ``--continuous-batching``, driven by raw sockets and the official ``openai`` client.
 
 - a body over ``--max-body-bytes``, declared (Content-Length) or not (chunked), and a 10 MB one sent by the
@@ -15,7 +15,8 @@ from outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py
   client that leaves leaves the queue; a place freed goes to the next at once), and past ``--max-queued-requests``
   the next is answered 429 with Retry-After.
 
-Every good answer is compared with greedy ``generate()`` of the folder alone (tests/test_serve.py's ``expected``)."""
+Every good answer is compared with greedy ``generate()`` of the folder alone (tests/serve/test_serve.py's
+``expected``)."""
 
 from __future__ import annotations
 

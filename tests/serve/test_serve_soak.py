@@ -1,8 +1,8 @@
 """benchmarks/soak.py for 2 minutes (slow tier): ``hf-alibi serve --continuous-batching`` on a tiny converted Llama
-trained here (tests/test_serve_guard.py's: its greedy choices win by a wide margin, so batching cannot flip them),
-16 clients, every hostile kind mixed in and bursts of 100 requests. Each finished greedy answer must equal the same
-request answered alone by the fresh server, which answers its first requests as greedy ``generate()`` does
-(tests/test_serve_guard.py); no 5xx, no traceback in the server's log; every oversized body 413, every never-sent
+trained here (tests/serve/test_serve_guard.py's: its greedy choices win by a wide margin, so batching cannot flip
+them), 16 clients, every hostile kind mixed in and bursts of 100 requests. Each finished greedy answer must equal the
+same request answered alone by the fresh server, which answers its first requests as greedy ``generate()`` does
+(tests/serve/test_serve_guard.py); no 5xx, no traceback in the server's log; every oversized body 413, every never-sent
 body 408, every request past the cap 400, every idle connection closed by the server; after the load, no request
 in flight and no batching slot or cache block held; RSS and open descriptors no higher than at the first report
 after the first minute with no burst in flight (the first burst included): RSS at most 5% more, descriptors at most

@@ -1,6 +1,6 @@
 """``hf-alibi serve MODEL --engine vllm``'s bounds (hf_alibi/serve/vllm/guard.py, in vLLM's own OpenAI server as its
 ``--middleware``; hf_alibi/serve/connections.py in its uvicorn server), measured from outside on the real vLLM server
-on 127.0.0.1 (marker vllm; tests/test_vllm.py's tiny converted Llama and its offline engine's tokens):
+on 127.0.0.1 (marker vllm; tests/serve/test_vllm.py's tiny converted Llama and its offline engine's tokens):
 
 - a body over ``--max-body-bytes`` declared by its Content-Length: 413 in OpenAI's shape, the connection closed;
 - a body announced and never sent: 408 within ``--read-timeout``; a connection that sends nothing: closed after

@@ -179,8 +179,9 @@ def test_the_paper_preset_has_one_spelling():
 def test_fitting_given_slopes_is_refused_in_one_line_before_any_work(gpt2_src, tmp_path, monkeypatch):
     """convert's --fit-slopes and recover's fit_slopes refuse explicit slopes with the same line; recover refuses it
     (and a fit without the preset) with its other settings, before the teacher or the tokenizer loads."""
-    from hf_alibi.checkpoints import CheckpointError
-    from hf_alibi.cli import jobs
+    from hf_alibi.convert.checkpoint import convert_checkpoint
+    from hf_alibi.hub.checkpoints import CheckpointError
+    from hf_alibi.recover.checkpoint import AutoTokenizer, recover_checkpoint
 
     with pytest.raises(ValueError) as refused:
         check_settings(32, fit_slopes=True, slope_scale=0.1)
@@ -192,22 +193,23 @@ def test_fitting_given_slopes_is_refused_in_one_line_before_any_work(gpt2_src, t
     def refuse(*args, **kwargs):
         raise AssertionError("loaded something before the settings were checked")
 
-    monkeypatch.setattr(jobs.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
     text = tmp_path / "notes.txt"
     text.write_text("w1 w2 w3 " * 200)
     with pytest.raises(CheckpointError) as refused:
-        jobs.recover_checkpoint(str(gpt2_src), tmp_path / "out", text, fit_slopes=True, slope_scale=0.1)
+        recover_checkpoint(str(gpt2_src), tmp_path / "out", text, fit_slopes=True, slope_scale=0.1)
     assert str(refused.value) == FIT_AND_SLOPES
     with pytest.raises(CheckpointError) as refused:  # convert: the same line
-        jobs.convert_checkpoint(str(gpt2_src), tmp_path / "out", fit_file=str(text), slope_scale=0.1)
+        convert_checkpoint(str(gpt2_src), tmp_path / "out", fit_file=str(text), slope_scale=0.1)
     assert str(refused.value) == FIT_AND_SLOPES
     assert not (tmp_path / "out").exists()
 
 
 def test_recover_checkpoint_plans_the_conversion_once(gpt2_src, tmp_path, monkeypatch):
     """The plan made from SRC's config.json before anything loads is the one the student is converted with."""
-    from hf_alibi.cli import jobs
+    from hf_alibi.convert import checkpoint as converting
     from hf_alibi.recover import api
+    from hf_alibi.recover.checkpoint import recover_checkpoint
 
     planned = []
 
@@ -218,11 +220,11 @@ def test_recover_checkpoint_plans_the_conversion_once(gpt2_src, tmp_path, monkey
 
         return plan
 
-    monkeypatch.setattr(jobs, "plan_conversion", counting(jobs.plan_conversion))
+    monkeypatch.setattr(converting, "plan_conversion", counting(converting.plan_conversion))
     monkeypatch.setattr(api, "plan_conversion", counting(api.plan_conversion))
     text = tmp_path / "notes.txt"
     text.write_text(" ".join(f"w{i % 50}" for i in range(600)))
-    out, result = jobs.recover_checkpoint(
+    out, result = recover_checkpoint(
         str(gpt2_src), tmp_path / "out", text, max_steps=1, batch_size=2, length=16, sinks=2, fit_slopes=False,
         progress=False,
     )  # fmt: skip

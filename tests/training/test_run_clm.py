@@ -85,7 +85,7 @@ def test_run_clm_alibi_embedded_corpus(tmp_path):
     results = _check_results(out, lengths, 600, ["validation", "test"])
     assert results["train_length"] == 32 and results["world_size"] == 1
     assert json.loads((out / "config.json").read_text())["model_type"] == "alibi_gpt2"
-    from hf_alibi.data import embedded_corpus
+    from hf_alibi.train.data import embedded_corpus
 
     text = list(embedded_corpus(tmp_path / "cache")["validation"]["text"])
     again = _reevaluate(out, text, 600, 128, 64)
@@ -109,7 +109,7 @@ def _check_gguf(out, text):
     llm.eval(ids[:128])
     with torch.no_grad():
         expected = model(torch.tensor([ids[:128]])).logits[0]
-    # llama.cpp's CPU GELU (mpt) reads an fp16 table: tests/test_gguf.py
+    # llama.cpp's CPU GELU (mpt) reads an fp16 table: tests/export/test_gguf.py
     torch.testing.assert_close(torch.tensor(llm.scores[:128]), expected, rtol=0, atol=3e-4)
 
 

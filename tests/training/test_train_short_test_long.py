@@ -7,9 +7,9 @@ import torch
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
-from hf_alibi.data import SPLITS, build_corpus_files, embedded_corpus, split_of, stdlib_files
 from hf_alibi.evaluate import evaluate_lengths, evaluate_perplexity, format_table, plot_results, score_windows
-from hf_alibi.training import SequenceLengthScalingCollator, scale_sequence_length
+from hf_alibi.train.data import SPLITS, build_corpus_files, embedded_corpus, split_of, stdlib_files
+from hf_alibi.train.length_scaling import SequenceLengthScalingCollator, scale_sequence_length
 
 # ---------------------------------------------------------------- sequence-length scaling
 

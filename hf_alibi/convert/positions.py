@@ -4,7 +4,8 @@ Both come from the architecture row (:mod:`hf_alibi.core.architectures`): ``row.
 table is (rows of strategy ``"absolute"``), ``core.strategies.table_rows`` where its used rows begin (OPT's
 ``offset``, RoBERTa's ``padding_idx + 1``), and the row's removed length field (``n_positions`` or
 ``max_position_embeddings``), less the rows leading the table (``row.leading_rows``), how long the inputs
-were. The CLI, recovery, evaluation, the scripts and the benchmarks all ask here.
+were (:func:`original_length`: it lives, torch-free, in :mod:`hf_alibi.convert.planning`, which asks it). The CLI,
+recovery, evaluation, the scripts and the benchmarks all ask here.
 
 >>> original_length({"model_type": "roberta", "max_position_embeddings": 66, "pad_token_id": 1})
 64
@@ -12,44 +13,12 @@ were. The CLI, recovery, evaluation, the scripts and the benchmarks all ask here
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from torch import nn
 
-from .checkpoints import is_alibi
-from .core.architectures import find_architecture
-from .core.config import LENGTH_FIELDS, MODEL_TYPE_PREFIX
-from .core.strategies import find_modules, table_rows
-
-
-def original_length(config: Mapping[str, Any] | Any) -> int | None:
-    """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
-    or a model): the row's removed length field less the rows leading its table (RoBERTa's table has
-    ``max_position_embeddings`` rows and numbers positions from ``pad_token_id + 1``: 514 - 1 - 1 = 512 for
-    roberta-base; a null ``pad_token_id`` counts as 0). None where no length is stated (T5: relative
-    positions) and for an ALiBi config (no limit). A type without a row: its stated length as is.
-
-    >>> original_length(GPT2Config(n_positions=48))
-    48
-    """
-    config = getattr(config, "config", config)  # a model: its config
-    if is_alibi(config):  # its length fields answer "no maximum" (core.config.NO_MAXIMUM), not the original's
-        return None
-    if isinstance(config, Mapping):
-        get = config.get
-    else:
-
-        def get(key, default=None):
-            return getattr(config, key, default)
-
-    row = find_architecture(str(get("model_type", "") or "").removeprefix(MODEL_TYPE_PREFIX))
-    fields = [f for f in row.removed_config_fields if f in LENGTH_FIELDS] if row is not None else LENGTH_FIELDS
-    for field in fields:
-        value = get(field)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value - (row.leading_rows(config) if row is not None else 0)
-    return None
+from ..core.architectures import find_architecture
+from ..core.names import LENGTH_FIELDS, is_alibi
+from ..core.strategies import find_modules, table_rows
+from .planning import original_length  # torch-free, with the planner that asks it (re-exported: its home of old)
 
 
 def position_table(model: nn.Module) -> tuple[nn.Embedding, int] | None:

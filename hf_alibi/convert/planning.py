@@ -1,15 +1,15 @@
 """What a conversion will do, from a config alone: the rules of the options, written once, with no torch.
 
-:func:`hf_alibi.plan_conversion` (the library, :mod:`hf_alibi.patch`) and ``hf-alibi convert``'s checks before the
-library loads (:mod:`hf_alibi.cli.checks`, from SRC's config.json read as JSON) both call these, so each rule has one
-home: the head count (:func:`check_heads`), the encoder variant (:func:`encoder_variant_for`) and the option values
+:func:`hf_alibi.plan_conversion` (the library, :mod:`hf_alibi.convert.patch`) and ``hf-alibi convert``'s checks before
+the library loads (:mod:`hf_alibi.cli.checks`, from SRC's config.json read as JSON) both call these, so each rule has
+one home: the head count (:func:`check_heads`), the encoder variant (:func:`encoder_variant_for`) and the option values
 as stored (:func:`resolve_options`: a preset's, where each option applies, the explicit ones over them, an explicit
 ``table_max_wavelength=0`` removing the table). The values' own checks are the settings' (``AlibiSettings``, made
 with them: :func:`~hf_alibi.core.settings.check_pretrained_options`).
 
 Imports only the standard library and hf_alibi's modules that import neither torch nor transformers
-(``tests/test_cli_startup.py``: ``hf-alibi`` calls this before torch loads). ``config`` is a ``PretrainedConfig`` or
-any object with its fields as attributes (:func:`config_fields`: config.json's).
+(``tests/cli/test_cli_startup.py``: ``hf-alibi`` calls this before torch loads). ``config`` is a ``PretrainedConfig``
+or any object with its fields as attributes (:func:`config_fields`: config.json's).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from .core.names import ENCODER_VARIANTS, SYMMETRIC
-from .core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, presets
+from ..core.architectures import find_architecture
+from ..core.names import ENCODER_VARIANTS, LENGTH_FIELDS, MODEL_TYPE_PREFIX, SYMMETRIC, is_alibi
+from ..core.settings import FITTED, FittedSlopes, TimesOriginalLength, conversion_options, flag_spellings, presets
+from ..patches import absolute, native, relative, rotary
 
 # Named settings for patch_model(preset=...), from the options' declarations (core/settings.py: presets)
 PRESETS: dict[str, dict[str, Any]] = presets()
@@ -37,6 +39,19 @@ class HeadsMismatch(ValueError):
             f"heads={given} does not match the model's {found} attention heads (config.num_attention_heads); ALiBi "
             f"needs one slope per head. Pass heads={found} or omit it."
         )
+
+
+def builtin_rows() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The built-in rows (``hf_alibi.patches``, plain data: read without torch), the one loader of them: the
+    converted types' ``Architecture`` rows and the ``NativeArchitecture`` rows of the types trained with ALiBi, each
+    by ``model_type``.
+
+    >>> converted, trained_with_alibi = builtin_rows()
+    >>> converted["gpt2"].strategy, sorted(trained_with_alibi)
+    ('absolute', ['bloom', 'falcon', 'mpt'])
+    """
+    converted = {row.model_type: row for module in (absolute, relative, rotary) for row in module.ROWS}
+    return converted, {row.model_type: row for row in native.ROWS}
 
 
 def config_heads(config: Mapping[str, Any]) -> int | None:
@@ -116,7 +131,7 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
         if not applies(f, row, config):
             value = f.default
         if isinstance(value, TimesOriginalLength):
-            length = _original_length(config)
+            length = original_length(config)
             value = value.times * length if length else None
         values[f.name] = value
     values.update({name: value for name, value in explicit.items() if value is not None})
@@ -131,9 +146,47 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
     return values
 
 
-def _original_length(config) -> int | None:
-    # only a preset's TimesOriginalLength asks (never hf-alibi's checks before the library, which take no preset):
-    # the one answer lives with the position tables, which need torch (RoBERTa's table has 514 rows for 512)
-    from .positions import original_length
+def original_length(config: Mapping[str, Any] | Any) -> int | None:
+    """The longest input the original model was built for, from its config (a dict, a ``PretrainedConfig``
+    or a model): the row's removed length field less the rows leading its table (RoBERTa's table has
+    ``max_position_embeddings`` rows and numbers positions from ``pad_token_id + 1``: 514 - 1 - 1 = 512 for
+    roberta-base; a null ``pad_token_id`` counts as 0). None where no length is stated (T5: relative
+    positions) and for an ALiBi config (no limit). A type without a row: its stated length as is.
 
-    return original_length(config)
+    >>> original_length(GPT2Config(n_positions=48))
+    48
+    """
+    config = getattr(config, "config", config)  # a model: its config
+    if is_alibi(config):  # its length fields answer "no maximum" (core.config.NO_MAXIMUM), not the original's
+        return None
+    if isinstance(config, Mapping):
+        get = config.get
+    else:
+
+        def get(key, default=None):
+            return getattr(config, key, default)
+
+    model_type = str(get("model_type", "") or "").removeprefix(MODEL_TYPE_PREFIX)
+    row = find_architecture(model_type) or builtin_rows()[0].get(model_type)  # registered, else built in (no torch)
+    fields = [f for f in row.removed_config_fields if f in LENGTH_FIELDS] if row is not None else LENGTH_FIELDS
+    for field in fields:
+        value = get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value - (row.leading_rows(config) if row is not None else 0)
+    return None
+
+
+def check_fit_slopes(fit: bool | None, options: dict[str, Any]) -> None:
+    """The one error for slopes asked to be fitted and given at once (``options``: the conversion options given),
+    for ``hf-alibi convert --fit-slopes`` and :func:`~hf_alibi.recover.recover`'s ``fit_slopes``.
+
+    >>> check_fit_slopes(True, {"slope_scale": 0.1})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: --fit-slopes computes the slopes: drop --slope-scale (slope_scale), or fit none ...
+    """
+    given = [name for name in ("slopes", "slope_scale") if options.get(name) is not None]
+    if fit and given:
+        raise ValueError(
+            f"--fit-slopes computes the slopes: drop {' and '.join(flag_spellings(n)[0] for n in given)} "
+            f"({', '.join(given)}), or fit none (recover: --no-fit-slopes, fit_slopes=False)."
+        )

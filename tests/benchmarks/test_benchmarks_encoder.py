@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its siblings like the other benchmarks
 _spec = importlib.util.spec_from_file_location("bench_encoder", ROOT / "benchmarks" / "encoder.py")
 bench = sys.modules["bench_encoder"] = importlib.util.module_from_spec(_spec)

@@ -15,11 +15,11 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from .core.architectures import find_architecture
-from .core.compat import attn_implementation
-from .core.conversion import self_attentions
-from .core.names import is_alibi
-from .core.settings import FittedSlopes
+from ..core.architectures import find_architecture
+from ..core.compat import attn_implementation
+from ..core.conversion import self_attentions
+from ..core.names import is_alibi
+from ..core.settings import FittedSlopes
 
 DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)
 

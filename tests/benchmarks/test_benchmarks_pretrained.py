@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_alibi
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its siblings like the other benchmarks
 _spec = importlib.util.spec_from_file_location("bench_pretrained", ROOT / "benchmarks" / "pretrained.py")
 bench = sys.modules["bench_pretrained"] = importlib.util.module_from_spec(_spec)

@@ -166,8 +166,8 @@ def train_file(tmp_path):
 @pytest.fixture
 def no_training(monkeypatch):
     """Fails the test if recover gets as far as loading the teacher or distilling."""
-    import hf_alibi.cli.jobs as job
     import hf_alibi.recover.api as api
+    import hf_alibi.recover.checkpoint as job
 
     def refuse(*args, **kwargs):
         raise AssertionError("recover loaded or trained although OUT cannot be written")
@@ -406,7 +406,7 @@ def src32(tmp_path):
 @pytest.fixture
 def no_recover_loading(monkeypatch, no_training):
     """Fails the test if recover loads the model (on top of the tokenizer and the training)."""
-    from hf_alibi.checkpoints import Source
+    from hf_alibi.hub.checkpoints import Source
 
     def refuse(source):
         raise AssertionError("recover picked a model class to load although a setting is bad")

@@ -149,13 +149,18 @@ def test_info_reports_the_settings(converted, capsys):
 
 def test_console_script_is_declared_and_runs_as_a_module(gpt2_src, tmp_path):
     """The entry point, once (the per-architecture conversions above run in this process): ``hf-alibi`` (its
-    entry, hf_alibi_boot.main, which parses before the library is imported) and ``python -m hf_alibi`` run a job."""
+    entry, hf_alibi.cli.main, which parses before the library is imported) and ``python -m hf_alibi`` run a job."""
     pyproject = (REPO_ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^\[project\.scripts\]\nhf-alibi = "([^"]+)"', pyproject, re.M).group(1) == "hf_alibi_boot:main"
+    assert re.search(r'^\[project\.scripts\]\nhf-alibi = "([^"]+)"', pyproject, re.M).group(1) == "hf_alibi.cli:main"
     out = tmp_path / "alibi"
     assert cli.main(["convert", str(gpt2_src), str(out)]) == 0
-    entry = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main())"
-    for command in ([sys.executable, "-m", "hf_alibi"], [sys.executable, "-c", entry]):
+    entry = "import sys, hf_alibi.cli; sys.exit(hf_alibi.cli.main())"
+    old_entry = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main())"  # the script of an older install
+    for command in (
+        [sys.executable, "-m", "hf_alibi"],
+        [sys.executable, "-c", entry],
+        [sys.executable, "-c", old_entry],
+    ):
         result = subprocess.run([*command, "info", str(out)], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "ALiBi checkpoint of" in result.stdout

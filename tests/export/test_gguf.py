@@ -1,4 +1,4 @@
-"""GGUF export (hf_alibi/gguf.py) against llama.cpp itself (PyPI llama-cpp-python, which builds the vendored
+"""GGUF export (hf_alibi/export/gguf.py) against llama.cpp itself (PyPI llama-cpp-python, which builds the vendored
 llama.cpp): logits of the exported file against transformers' forward of the converted model, greedy tokens
 through llama.cpp's KV cache against ``generate``, the tokenizer's ids; refusals write nothing.
 
@@ -14,8 +14,8 @@ from arch_cases import CASES, MAX_LEN
 from sharing import run_cli
 
 import hf_alibi
-from hf_alibi.data import train_tokenizer
-from hf_alibi.gguf import GGUFExportError, export_gguf
+from hf_alibi.export.gguf import GGUFExportError, export_gguf
+from hf_alibi.train.data import train_tokenizer
 
 TEXTS = [
     "def add(x, y):\n    return x + y  # sum\n",

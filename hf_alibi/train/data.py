@@ -7,7 +7,7 @@ gives the same split everywhere, and adding a file never moves another one). The
 tokenizer are cached on disk.
 
 Example:
-    >>> from hf_alibi.data import embedded_corpus, train_tokenizer
+    >>> from hf_alibi.train.data import embedded_corpus, train_tokenizer
     >>> corpus = embedded_corpus()            # DatasetDict: train / validation / test, column "text"
     >>> tokenizer = train_tokenizer(corpus["train"]["text"], vocab_size=8192)
 """
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
 # Per 100 files: 90 train, 5 validation, 5 test.
@@ -157,3 +160,44 @@ def embedded_tokenizer(corpus, vocab_size: int = 8192, cache_dir: Path | str | N
     except OSError:  # another process finished first: use its copy
         pass
     return tokenizer
+
+
+def load_raw_datasets(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    test_file: str | None = None,
+    keep_linebreaks: bool = True,
+    validation_split_percentage: int = 5,
+    cache_dir: str | None = None,
+):
+    """scripts/run_clm.py's data, as transformers' run_clm.py reads it: a Hub dataset (``dataset_name``), local
+    files (``train_file``, ``.txt``, ``.json``, ``.csv``, ...), else the embedded corpus (:func:`embedded_corpus`); a
+    split without validation gives ``validation_split_percentage`` % of its train split to validation.
+
+    >>> load_raw_datasets()["train"].column_names  # doctest: +SKIP
+    ['path', 'text']
+    """
+    import datasets
+
+    pct = validation_split_percentage
+    if dataset_name is not None:
+        raw = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
+        if "validation" not in raw:
+            raw["validation"] = datasets.load_dataset(dataset_name, dataset_config_name, split=f"train[:{pct}%]")
+            raw["train"] = datasets.load_dataset(dataset_name, dataset_config_name, split=f"train[{pct}%:]")
+        return raw
+    if train_file is None:
+        logger.info("No dataset given: using the embedded corpus (this interpreter's standard library source).")
+        return embedded_corpus(cache_dir)
+    files = {"train": train_file, "validation": validation_file, "test": test_file}
+    extension = train_file.rsplit(".", 1)[-1]
+    extension = "text" if extension == "txt" else extension
+    kwargs = {"keep_linebreaks": keep_linebreaks} if extension == "text" else {}
+    files = {split: path for split, path in files.items() if path is not None}
+    raw = datasets.load_dataset(extension, data_files=files, cache_dir=cache_dir, **kwargs)
+    if "validation" not in raw:
+        split = raw["train"].train_test_split(test_size=pct / 100, shuffle=False)
+        raw["train"], raw["validation"] = split["train"], split["test"]
+    return raw

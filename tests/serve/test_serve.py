@@ -24,8 +24,8 @@ from transformers.utils.import_utils import is_serve_available
 
 import hf_alibi
 from hf_alibi.cli import main as cli_main
-from hf_alibi.data import train_tokenizer
 from hf_alibi.serve.server import SERVER_CHECKED
+from hf_alibi.train.data import train_tokenizer
 
 pytestmark = [
     pytest.mark.skipif(
@@ -235,7 +235,7 @@ def test_serve_needs_a_converted_model_first(tmp_path, capsys):
 def test_serve_without_the_serving_extras_says_what_to_install(folder):
     """transformers' own check (is_serve_available) finds no fastapi: one line naming the extra, before MODEL loads
     (transformers' server would raise its ImportError, a whole traceback, after loading it)."""
-    code = "import sys; sys.modules['fastapi'] = None; import hf_alibi_boot as b; sys.exit(b.main(sys.argv[1:]))"
+    code = "import sys; sys.modules['fastapi'] = None; import hf_alibi.cli as b; sys.exit(b.main(sys.argv[1:]))"
     child = subprocess.run(
         [sys.executable, "-c", code, "serve", str(folder), "--port", "8000"], capture_output=True, text=True,
         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -247,7 +247,7 @@ def test_serve_without_the_serving_extras_says_what_to_install(folder):
 
 def test_a_model_trained_with_alibi_gets_one_serving_class_per_original(bloom_folder):
     # serve() asks for the class twice (before and after transformers' CLI app is made): the same class both times
-    from hf_alibi.checkpoints import read_config
+    from hf_alibi.hub.checkpoints import read_config
     from hf_alibi.serve.server import native_loader
 
     config = read_config(str(bloom_folder), "MODEL")

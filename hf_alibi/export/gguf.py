@@ -28,8 +28,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoints import is_alibi, open_source
-from .core.settings import conversion_options
+from ..core.settings import conversion_options
+from ..hub.checkpoints import is_alibi, open_source
 
 # Module level imports only what the command line's parser needs (OUTTYPES): torch, numpy and the config classes are
 # imported where they are used, so that `hf-alibi export-gguf --help` and its argument errors answer at once.
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-# each checked against llama.cpp itself (tests/test_gguf.py); the others differ in their block (norms with an
+# each checked against llama.cpp itself (tests/export/test_gguf.py); the others differ in their block (norms with an
 # offset or bias, scaled embeddings or residuals, q/k norms, non-gated MLPs, mixtures of experts, soft-capping)
 REFACT_TYPES = ("llama", "mistral", "qwen2", "smollm3", "seed_oss", "ernie4_5", "phi3", "glm")
 MPT_TYPES = ("gpt2",)
@@ -131,7 +131,7 @@ def _load(src, tokenizer):
 
 def check_exportable(model) -> str:
     """The llama.cpp architecture ``model`` runs as exactly (``"refact"`` or ``"mpt"``), else a one-line error."""
-    from .core.config import get_settings
+    from ..core.config import get_settings
 
     config = model.config
     _refuse_native(config.model_type, config)
@@ -160,7 +160,7 @@ def check_exportable(model) -> str:
 def _refuse_native(model_type: str, config) -> None:
     # BLOOM, MPT, Falcon-RW trained with ALiBi stay in their original format (hf_alibi.native): llama.cpp's own
     # converter reads BLOOM and MPT folders as they are (its bloom and mpt architectures); its falcon is rotary only
-    from .registry import get_native_architecture
+    from ..convert.registry import get_native_architecture
 
     row = get_native_architecture(model_type)
     if row is None or not row.uses_alibi(config):

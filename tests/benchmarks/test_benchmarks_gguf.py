@@ -13,9 +13,9 @@ import torch
 from arch_cases import CASES
 
 import hf_alibi
-from hf_alibi.data import train_tokenizer
+from hf_alibi.train.data import train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_gguf", ROOT / "benchmarks" / "gguf_export.py")
 bench = sys.modules["bench_gguf"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)

@@ -14,14 +14,14 @@ from hf_alibi.serve.server import SERVER_CHECKED
 
 pytestmark = pytest.mark.skipif(
     version.parse(transformers.__version__) >= version.parse(SERVER_CHECKED),
-    reason=f"transformers {transformers.__version__}: hf-alibi serve runs (tests/test_serve*.py)",
+    reason=f"transformers {transformers.__version__}: hf-alibi serve runs (tests/serve/test_serve*.py)",
 )
 
 
 def test_serve_on_an_older_transformers_is_one_line(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "m")
     make_tokenizer(tmp_path / "m")
-    code = "import sys, hf_alibi_boot; sys.exit(hf_alibi_boot.main(sys.argv[1:]))"
+    code = "import sys, hf_alibi.cli; sys.exit(hf_alibi.cli.main(sys.argv[1:]))"
     run = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "m"), "--port", "8000"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     lines = run.stderr.strip().splitlines()

@@ -5,8 +5,9 @@ answer here: is SRC a folder or a Hub id (:func:`source_kind`), what its config.
 (:func:`read_config`; both at once, resolved once and carried by a job: :func:`open_source`), is that config an
 ALiBi one (:func:`is_alibi`), which class loads it (:func:`model_class_for`), may OUT be written
 (:func:`check_output`), and how OUT is written without ever leaving half a folder (:func:`staged_output`); how long
-the original's inputs were is :func:`hf_alibi.positions.original_length`. Bad input raises :class:`CheckpointError` (a
-``ValueError``) with one line that says what to do; the CLI prints it and exits with status 2.
+the original's inputs were is :func:`hf_alibi.convert.positions.original_length`. Bad input raises
+:class:`CheckpointError` (a ``ValueError``) with one line that says what to do; the CLI prints it and exits with
+status 2.
 
 Example:
     >>> source = open_source("my-gpt2")           # a folder or a Hub id
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .core.names import is_alibi
+from ..core.names import is_alibi
 
 # This module is imported by the command line's parser (hf_alibi/cli/), which answers --help and argument errors before
 # torch and transformers are imported: what needs them (the registry, the config classes) is imported where used.
@@ -259,9 +260,9 @@ def model_class_for(config_dict: Mapping[str, Any]) -> type:
     """
     import transformers
 
-    from .core.compat import auto_class_names
-    from .core.config import MODEL_TYPE_PREFIX
-    from .registry import alibi_classes, get_architecture
+    from ..convert.registry import alibi_classes, get_architecture
+    from ..core.compat import auto_class_names
+    from ..core.config import MODEL_TYPE_PREFIX
 
     model_type = config_dict["model_type"]
     if is_alibi(config_dict) or str(model_type).startswith(MODEL_TYPE_PREFIX):

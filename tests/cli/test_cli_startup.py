@@ -2,7 +2,7 @@
 and every error about arguments or paths that needs no model run without importing torch or transformers.
 
 What is asserted is the cause of the wait, not a time: one fresh interpreter runs the entry point of the ``hf-alibi``
-script (``hf_alibi_boot.main``) on each command line and reports, after each, its exit status, what it printed and
+script (``hf_alibi.cli.main``) on each command line and reports, after each, its exit status, what it printed and
 whether torch or transformers were imported. ``benchmarks/import_time.py`` prints the times.
 """
 
@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import contextlib, io, json, sys
-import hf_alibi_boot
+import hf_alibi.cli
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = hf_alibi_boot.main(argv)
+            code = hf_alibi.cli.main(argv)
         except SystemExit as exit:
             code = exit.code
-    heavy = sorted(m for m in ("torch", "transformers", "hf_alibi") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
     results.append({"code": code, "out": out.getvalue(), "err": err.getvalue(), "heavy": heavy})
 print(json.dumps(results))
 """
@@ -174,4 +174,4 @@ def test_python_m_hf_alibi_answers_before_torch(folders, tmp_path):
         # -X importtime writes "import time: self | cumulative | module" for each module imported
         imported = {line.rsplit("|", 1)[-1].strip() for line in child.stderr.splitlines() if "import time:" in line}
         assert not imported & {"torch", "transformers"}, argv
-        assert "hf_alibi_boot" in imported  # the front route was taken (a sanity check of the reading above)
+        assert "hf_alibi.cli.parser" in imported  # the command line ran (a sanity check of the reading above)

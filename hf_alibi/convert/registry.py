@@ -13,6 +13,7 @@ transformers is modified: only new names are added.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -20,22 +21,21 @@ import transformers
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig
 
-from .core.architectures import REGISTERED, Architecture, find_architecture
-from .core.compat import auto_class_names
-from .core.config import MODEL_TYPE_PREFIX, alibi_config_class
-from .core.conversion import alibi_model_class
-from .core.strategies import BUILTIN_STRATEGIES, STRATEGIES
-from .native import NativeArchitecture
-from .patches import absolute, native, relative, rotary
+from ..core.architectures import REGISTERED, Architecture, find_architecture
+from ..core.compat import auto_class_names
+from ..core.config import MODEL_TYPE_PREFIX, alibi_config_class
+from ..core.conversion import alibi_model_class
+from ..core.strategies import BUILTIN_STRATEGIES, STRATEGIES
+from ..native import NativeArchitecture
+from .planning import builtin_rows
 
 MODELS_MODULE = "hf_alibi.models"
-# The built-in rows, as hf_alibi.patches lists them (one module per strategy).
-ARCHITECTURES: dict[str, Architecture] = {
-    row.model_type: row for row in (*absolute.ROWS, *relative.ROWS, *rotary.ROWS)
-}
-# The model types trained with ALiBi (hf_alibi.patches.native): nothing to convert, patch_model runs their attention
-# on hf_alibi's paths (hf_alibi.native); they keep their config class and type, so nothing is registered for them.
-NATIVE_ARCHITECTURES: dict[str, NativeArchitecture] = {row.model_type: row for row in native.ROWS}
+# The built-in rows, as hf_alibi.patches lists them (one module per strategy), and the model types trained with ALiBi
+# (hf_alibi.patches.native): nothing to convert, patch_model runs their attention on hf_alibi's paths
+# (hf_alibi.native); they keep their config class and type, so nothing is registered for them.
+ARCHITECTURES: dict[str, Architecture]
+NATIVE_ARCHITECTURES: dict[str, NativeArchitecture]
+ARCHITECTURES, NATIVE_ARCHITECTURES = builtin_rows()
 
 # model_type -> Alibi<Config> (made at registration); model_type -> {transformers class: Alibi class}
 # (made when the row is first used)
@@ -166,6 +166,10 @@ def _config_class(row: Architecture) -> type:
         base_config_cls = None
     if base_config_cls is None:
         raise ValueError(f"transformers has no model classes for model_type {row.model_type!r}.")
+    # the classes name MODELS_MODULE as their module: it must be loaded (pickle and transformers read it through
+    # sys.modules; transformers reads the file of a class's module to decide whether set_attn_implementation may
+    # switch it). By name, not an import statement: hf_alibi.models (convert/models.py) imports this module.
+    importlib.import_module(MODELS_MODULE)
     return alibi_config_class(
         base_config_cls, row.model_type, row.removed_config_fields, MODELS_MODULE, bases=(_RegistersModelClasses,)
     )

@@ -1,7 +1,7 @@
 """The sinks' fold for vLLM (hf_alibi/serve/vllm/sinks.py), without vLLM: vLLM's attention over the folded heads
 (its score ``scale * q . k + m_h (j - i)`` within each request, written here) against hf_alibi's bias with sinks
 written from its definition (no distance penalty on the first ``S`` keys of each request), fp32 and bf16, several
-requests flattened as vLLM runs them. The vLLM tier runs the same fold in vLLM's engine (tests/test_vllm.py)."""
+requests flattened as vLLM runs them. The vLLM tier runs the same fold in vLLM's engine (tests/serve/test_vllm.py)."""
 
 import pytest
 import torch
