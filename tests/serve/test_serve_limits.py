@@ -232,8 +232,9 @@ def send(port: int, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def wait_for(port: int, want: dict, seconds: float = 1.0) -> dict:
-    """``GET /hf-alibi/load`` until its ``in_flight`` and ``queued`` are ``want``'s; fails after ``seconds``."""
+def wait_for(port: int, want: dict, seconds: float = 3.0) -> dict:
+    """``GET /hf-alibi/load`` until its ``in_flight`` and ``queued`` are ``want``'s; fails after ``seconds`` (each
+    change is one disconnect seen and one place handed on: milliseconds idle, seconds on a loaded machine)."""
     started = time.monotonic()
     while True:
         now = load(port)
