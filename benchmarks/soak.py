@@ -66,7 +66,8 @@ class Soak:
         self.reference: dict[tuple[str, int], str] = {}
         self.mismatches: list[dict] = []
         self.deadline = 0.0
-        self.warm = None  # RSS and fds after --warmup seconds
+        self.warm = None  # RSS and fds at the first report after --warmup seconds with no burst in flight
+        self.bursting = False
 
     # ------------------------------------------------------------------ clients
     def client(self) -> openai.OpenAI:
@@ -196,7 +197,9 @@ class Soak:
         wait = self.args.warmup / 2
         while time.monotonic() + wait < self.deadline:
             time.sleep(wait)
+            self.bursting = True
             asyncio.run(self.burst())
+            self.bursting = False
             wait = self.args.burst_every
 
     async def burst(self) -> None:
@@ -224,11 +227,15 @@ class Soak:
         figures = {}
         if self.pid:
             try:
-                status = Path(f"/proc/{self.pid}/status").read_text()
-                pairs = (line.partition(":") for line in status.splitlines())
-                field = {k: v.split()[0] for k, _, v in pairs if v.split()}
-                figures = {"rss_mb": round(int(field["VmRSS"]) / 1024, 1), "threads": int(field["Threads"]),
-                           "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}  # fmt: skip
+                figures = {"rss_mb": 0.0, "threads": 0, "fds": 0, "processes": 0}
+                for pid in process_tree(self.pid):  # vLLM's engine runs in processes of its own
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    pairs = (line.partition(":") for line in status.splitlines())
+                    field = {k: v.split()[0] for k, _, v in pairs if v.split()}
+                    figures["rss_mb"] = round(figures["rss_mb"] + int(field["VmRSS"]) / 1024, 1)
+                    figures["threads"] += int(field["Threads"])
+                    figures["fds"] += len(os.listdir(f"/proc/{pid}/fd"))
+                    figures["processes"] += 1
             except (OSError, KeyError):
                 figures = {"server": "gone"}
         try:
@@ -251,7 +258,13 @@ class Soak:
                    "p50_s": quantile(0.5), "p99_s": quantile(0.99), **self.server_figures()}  # fmt: skip
         figures["5xx"] = sum(n for k, n in outcomes.items() if k.rsplit("_", 1)[1].startswith("5"))
         figures["mismatches"] = sum(n for k, n in outcomes.items() if k.endswith("mismatch"))
-        if self.warm is None and time.monotonic() - started >= self.args.warmup and "rss_mb" in figures:
+        figures["bursting"] = self.bursting  # a burst's connections are open: descriptors not comparable
+        if (
+            self.warm is None
+            and time.monotonic() - started >= self.args.warmup
+            and "rss_mb" in figures
+            and not self.bursting
+        ):
             self.warm = {"rss_mb": figures["rss_mb"], "fds": figures["fds"]}
         figures["after_warmup"] = self.warm
         print(json.dumps(figures), flush=True)
@@ -282,6 +295,24 @@ class Soak:
         return final
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (read from /proc)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[parent].append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -291,9 +322,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
                *limits, *args.serve]  # fmt: skip
     if args.engine == "transformers":
         command += ["--device", "cpu"] + (["--continuous-batching"] if args.continuous_batching else [])
-    else:
-        command = [sys.executable, "-m", "hf_alibi", "serve", args.folder, "--engine", "vllm", "--host", "127.0.0.1",
-                   "--port", str(port), *args.serve]  # fmt: skip
+    else:  # vLLM batches always
+        command += ["--engine", "vllm"]
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -38,8 +38,9 @@ from ..hub.checkpoints import (
     TOKENIZER_FILES,  # noqa: F401  (re-exported: callers of the CLI import it from here)
     check_source,
 )
+from ..serve.request_checks import VLLM_MIDDLEWARE, limits_environment
 from .checks import check_inputs, serve_options, serving_engine
-from .parser import CliError, add_option_flags, build_parser, errors_exit, fail  # noqa: F401  (add_option_flags)
+from .parser import CliError, add_option_flags, build_parser, errors_exit, fail, take_option  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,19 +87,24 @@ def _serve(parser, argv: list[str]) -> argparse.Namespace:
     with errors_exit():
         check_source(argv[0], "MODEL")
         engine, argv = serving_engine(argv)
-        if engine == "vllm":
-            _exec_vllm(argv)
+        if engine == "vllm" and take_option(argv, "max_prompt_tokens")[0]:
+            raise CliError("--max-prompt-tokens is transformers' server's: with --engine vllm a prompt is bounded by "
+                           "vLLM's --max-model-len.")  # fmt: skip
         limits, arguments = serve_options(argv[1:])
+        if engine == "vllm":
+            _exec_vllm([argv[0], *arguments], limits)
     return argparse.Namespace(command="serve", model=argv[0], engine=engine, limits=limits, arguments=arguments)
 
 
-def _exec_vllm(argv: list[str]) -> None:
-    # vLLM's OpenAI server in this process's place: ``python -m hf_alibi_boot.vllm``, which starts every process of it
-    # as vLLM's entrance must (hf_alibi_boot/vllm/server.py); run, not imported (nothing of hf_alibi imports it)
+def _exec_vllm(argv: list[str], limits) -> None:
+    """vLLM's OpenAI server in this process's place: ``python -m hf_alibi_boot.vllm``, which starts every process of it
+    as vLLM's entrance must (hf_alibi_boot/vllm/server.py; run, not imported: nothing of hf_alibi imports it), its
+    requests bounded by ``limits`` (:mod:`hf_alibi.serve.vllm.guard`, added as vLLM's ``--middleware``)."""
     if importlib.util.find_spec("vllm") is None:
         raise CliError("--engine vllm needs vLLM: pip install -e '.[vllm]' (docs/engines.md).")
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "hf_alibi_boot.vllm", *argv])
+    os.execve(sys.executable, [sys.executable, "-m", "hf_alibi_boot.vllm", *argv, "--middleware", VLLM_MIDDLEWARE],
+              {**os.environ, **limits_environment(limits)})  # fmt: skip
 
 
 if __name__ == "__main__":

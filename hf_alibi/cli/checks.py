@@ -187,7 +187,8 @@ def serving_engine(argv: list[str]) -> tuple[str, list[str]]:
 
 def serve_options(argv: list[str]) -> tuple[Limits, list[str]]:
     """``hf-alibi serve MODEL ...``'s limits (``--max-new-tokens-cap N``, ``--max-prompt-tokens N``,
-    ``--max-body-bytes BYTES``, ``--read-timeout SECONDS``, ``--idle-timeout SECONDS``, taken out: the rest goes to
+    ``--max-body-bytes BYTES``, ``--read-timeout SECONDS``, ``--idle-timeout SECONDS``, ``--max-concurrent-requests
+    N``, ``--max-queued-requests N``, taken out: the rest goes to
     `transformers serve`) and the options this command answers in its own form before `transformers serve` parses
     them (with the library loaded): the port, a number from 0 to 65535.
 
@@ -213,4 +214,5 @@ def serve_options(argv: list[str]) -> tuple[Limits, list[str]]:
 _UNITS = {"max_new_tokens_cap": "positive number of new tokens per request",
           "max_prompt_tokens": "positive number of prompt tokens per request",
           "max_body_bytes": "positive number of bytes", "read_timeout": "positive number of seconds",
-          "idle_timeout": "positive number of seconds"}  # fmt: skip
+          "idle_timeout": "positive number of seconds", "max_concurrent_requests": "positive number of requests",
+          "max_queued_requests": "positive number of requests"}  # fmt: skip

@@ -196,11 +196,22 @@ SERVE_FLAGS: tuple[Flag, ...] = (
         f"(default {_LIMITS.idle_timeout:g})",
         {"type": positive_float, "default": _LIMITS.idle_timeout, "metavar": "SECONDS"},
     ),
+    Flag(
+        "max_concurrent_requests",
+        f"generation requests inside the engine at once; the others wait their turn in arrival order, and leave the "
+        f"queue if their client does (default {_LIMITS.concurrent})",
+        {"type": positive_int, "default": _LIMITS.concurrent, "metavar": "N"},
+    ),
+    Flag(
+        "max_queued_requests",
+        f"requests that may wait for a place; one more: 429 with Retry-After (default {_LIMITS.queued})",
+        {"type": positive_int, "default": _LIMITS.queued, "metavar": "N"},
+    ),
 )
 SERVE_USAGE = (
     f"%(prog)s MODEL [--engine transformers|vllm] [--max-new-tokens-cap N (default {_LIMITS.new_tokens})] "
-    "[--max-prompt-tokens N] [--max-body-bytes BYTES] [--read-timeout SECONDS] [--idle-timeout SECONDS] [the "
-    "engine's server options]"
+    "[--max-prompt-tokens N] [--max-body-bytes BYTES] [--read-timeout SECONDS] [--idle-timeout SECONDS] "
+    "[--max-concurrent-requests N] [--max-queued-requests N] [the engine's server options]"
 )
 SERVE_DESCRIPTION = (
     "MODEL: a converted folder or Hub id, or a BLOOM, MPT or Falcon-RW one, run on hf_alibi's attention. The options "

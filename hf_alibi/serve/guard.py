@@ -9,10 +9,14 @@
 - the request's body bounded (``--max-body-bytes``: 413 from its Content-Length, or as soon as the bytes read pass
   it, chunked too; nothing more is read) and the time to read it (``--read-timeout``: 408), each in OpenAI's shape,
   the connection closed after the answer (:mod:`hf_alibi.serve.connections` bounds headers and idle connections);
+- admission (:class:`Admission`): at most ``--max-concurrent-requests`` generation requests inside transformers'
+  handlers at once; the others wait in arrival order (a waiting client that leaves leaves the queue), and past
+  ``--max-queued-requests`` waiting, 429 with ``Retry-After``: a burst is answered in turn instead of all of it
+  entering the batching scheduler at once;
 - a non-streamed request in the batching worker whose client leaves before its answer is dropped from the batch
   (transformers frees a stream's slot itself, not this one's);
-- ``GET /hf-alibi/load``: the generation requests in the server now, and the continuous-batching scheduler's
-  requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
+- ``GET /hf-alibi/load``: the generation requests in the server now (inside, waiting), and the continuous-batching
+  scheduler's requests and cache blocks in use (:func:`load`), for a harness or a probe to read;
 - :func:`watch_worker`: if the continuous-batching worker dies anyway (an input nobody foresaw: transformers answers
   every later request 503 until the process ends), the process says so in one line and exits with
   :data:`WORKER_DIED_STATUS`, for a supervisor (systemd, Kubernetes, a shell loop) to start it again.
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import json
@@ -48,7 +53,7 @@ WORKER_DIED_STATUS = 3
 _POLL_SECONDS = 0.2
 _FLUSH_SECONDS = 1.0  # the failed requests' 503 answers go out before the process ends
 LOAD_PATH = "/hf-alibi/load"
-_CLOSE = [(b"connection", b"close")]
+CLOSE = [(b"connection", b"close")]
 
 
 def say(line: str) -> None:
@@ -61,19 +66,19 @@ class RequestGuard:
 
     def __init__(self, app, tokenizer, limits: Limits, pinned: str, generation_state=None):
         self.app, self.tokenizer, self.limits, self.pinned = app, tokenizer, limits, pinned
-        self.generation_state, self.in_flight = generation_state, 0
+        self.generation_state, self.admission = generation_state, Admission(limits.concurrent, limits.queued)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOAD_PATH:
-            await _answer(send, 200, load(self.in_flight, self.generation_state))
+            await answer_json(send, 200, load(self.admission, self.generation_state))
             return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GUARDED:
             await self.app(scope, receive, send)
             return
         try:
-            raw = await self._read_body(scope, receive)
+            raw = await read_body(scope, receive, self.limits)
         except BadRequest as error:
-            await _answer(send, error.status, error.payload(), _CLOSE)
+            await answer_json(send, error.status, error.payload(), CLOSE)
             return
         if raw is None:  # the client left
             return
@@ -81,7 +86,7 @@ class RequestGuard:
             body = check_body(scope["path"], raw, self.tokenizer, self.limits.new_tokens, self.pinned,
                               self.limits.prompt_tokens)  # fmt: skip
         except BadRequest as error:
-            await _answer(send, error.status, error.payload())
+            await answer_json(send, error.status, error.payload())
             return
         batched = not body.get("stream") and cb_requests(self.generation_state) is not None
         body = json.dumps(body).encode()
@@ -101,7 +106,12 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         sending = _OpenAIErrors(send)
-        self.in_flight += 1
+        try:
+            if not await self.admission.enter(receive):
+                return  # the client left while its request waited
+        except BadRequest as error:
+            await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
+            return
         try:
             if batched:
                 await self._unless_left(self.app(scope, replay, sending), receive, sending, request_id.decode())
@@ -111,9 +121,9 @@ class RequestGuard:
             if sending.started:
                 raise
             logging.getLogger("hf_alibi.serve").exception("request to %s failed", scope["path"])
-            await _answer(send, 500, openai_error(f"the server failed on this request: {error}", 500))
+            await answer_json(send, 500, openai_error(f"the server failed on this request: {error}", 500))
         finally:
-            self.in_flight -= 1
+            self.admission.leave()
 
     async def _unless_left(self, answering, receive, sending, request_id: str) -> None:
         """Run ``answering`` (a non-streamed request in the batching worker), dropping it from the batch
@@ -134,32 +144,86 @@ class RequestGuard:
         finally:
             watch.cancel()
 
-    async def _read_body(self, scope, receive) -> bytes | None:
-        """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
-        raises :class:`BadRequest` (413, 408); None: the client disconnected."""
-        limit, timeout = self.limits.body_bytes, self.limits.read_timeout
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        parts, size, more = [], 0, True
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except TimeoutError:
-                raise BadRequest(
-                    f"the request's body did not arrive within {timeout:g} s (--read-timeout; {size} bytes came)",
-                    code="request_timeout", status=408,
-                ) from None  # fmt: skip
-            if message["type"] == "http.disconnect":
-                return None
-            part, more = message.get("body", b""), message.get("more_body", False)
-            size += len(part)
-            if size > limit:
-                raise _too_large(size, limit, more)
-            parts.append(part)
-        return b"".join(parts)
+
+class Admission:
+    """At most ``limit`` requests inside at once; the others wait in arrival order, at most ``queued`` of them (one
+    more: :class:`BadRequest` 429). One event loop's (the server's); ``inside`` and ``waiting`` are the counts."""
+
+    def __init__(self, limit: int, queued: int):
+        self.limit, self.queued, self.inside = limit, queued, 0
+        self.queue: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    async def enter(self, receive) -> bool:
+        """Wait for a place: True once inside (then :meth:`leave` once), False if the client left first (reading
+        ``receive`` for its disconnect: only once the request's body is read)."""
+        if self.inside < self.limit and not self.queue:
+            self.inside += 1
+            return True
+        if len(self.queue) >= self.queued:
+            raise BadRequest(
+                f"this server is busy: {self.inside} requests are being answered and {len(self.queue)} wait "
+                f"(--max-concurrent-requests {self.limit}, --max-queued-requests {self.queued}); retry later",
+                code="server_busy", status=429,
+            )  # fmt: skip
+        turn = asyncio.get_running_loop().create_future()
+        self.queue.append(turn)
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({turn, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task cancelled (the server stopping): its turn, or its place, given up
+            left = True
+            raise
+        else:
+            left = watch.done()
+        finally:
+            watch.cancel()
+            if not turn.done():  # out of the queue
+                self.queue.remove(turn)
+                turn.cancel()
+            elif left:  # the place came as the client left: it goes to the next
+                self.leave()
+        return not left
+
+    def leave(self) -> None:
+        """A request inside is done: its place goes to the first still waiting, or is freed."""
+        while self.queue:
+            turn = self.queue.popleft()
+            if not turn.done():
+                turn.set_result(None)  # handed over: ``inside`` unchanged
+                return
+        self.inside -= 1
+
+
+async def read_body(scope, receive, limits: Limits) -> bytes | None:
+    """The request's body, at most ``limits.body_bytes`` of it read, within ``limits.read_timeout`` seconds;
+    raises :class:`BadRequest` (413, 408); None: the client disconnected."""
+    limit, timeout = limits.body_bytes, limits.read_timeout
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    parts, size, more = [], 0, True
+    while more:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise BadRequest(
+                f"the request's body did not arrive within {timeout:g} s (--read-timeout; {size} bytes came)",
+                code="request_timeout", status=408,
+            ) from None  # fmt: skip
+        if message["type"] == "http.disconnect":
+            return None
+        part, more = message.get("body", b""), message.get("more_body", False)
+        size += len(part)
+        if size > limit:
+            raise _too_large(size, limit, more)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _too_large(size: int, limit: int, more: bool = True) -> BadRequest:
@@ -175,13 +239,15 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def load(in_flight: int, generation_state) -> dict:
+def load(admission: Admission, generation_state) -> dict:
     """``GET /hf-alibi/load``'s answer: ``in_flight``, the generation requests inside transformers' handlers now (a
-    stream counts until its generation has stopped), and ``continuous_batching`` (:func:`cb_requests`)."""
-    return {"in_flight": in_flight, "continuous_batching": cb_requests(generation_state)}
+    stream counts until its generation has stopped); ``queued``, those waiting for a place (:class:`Admission`); and
+    ``continuous_batching`` (:func:`cb_requests`)."""
+    return {"in_flight": admission.inside, "queued": admission.waiting,
+            "continuous_batching": cb_requests(generation_state)}  # fmt: skip
 
 
-async def _answer(send, status: int, payload: dict, extra: list | None = None) -> None:
+async def answer_json(send, status: int, payload: dict, extra: list | None = None) -> None:
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -213,10 +279,10 @@ class _OpenAIErrors:
         except (UnicodeDecodeError, json.JSONDecodeError):
             given = held.decode(errors="replace")
         if isinstance(given, dict) and isinstance(given.get("error"), dict):
-            await _answer(self.send, status, given)
+            await answer_json(self.send, status, given)
             return
         detail = given.get("detail", given.get("error", given)) if isinstance(given, dict) else given
-        await _answer(self.send, status, openai_error(_detail_text(detail), status))
+        await answer_json(self.send, status, openai_error(_detail_text(detail), status))
 
 
 def _detail_text(detail) -> str:

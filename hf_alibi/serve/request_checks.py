@@ -10,8 +10,10 @@ standard library only, but for transformers' GenerationConfig to check a request
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -40,7 +42,11 @@ class Limits:
       soon as the bytes read pass it (chunked bodies too);
     - ``read_timeout``: seconds to receive a request's headers, and then its whole body (``--read-timeout``): 408;
     - ``idle_timeout``: seconds a connection may sit without a request (``--idle-timeout``), before its first
-      request and between requests (uvicorn's keep-alive timeout).
+      request and between requests (uvicorn's keep-alive timeout);
+    - ``concurrent``: generation requests inside the engine at once (``--max-concurrent-requests``); the others
+      wait, in arrival order, outside it: 200 requests let into transformers' batching scheduler at once on 2 CPU
+      cores held 12 GB and answered none of them in 300 s;
+    - ``queued``: requests waiting for one of those places (``--max-queued-requests``); one more: 429.
     """
 
     new_tokens: int = DEFAULT_CAP
@@ -48,12 +54,32 @@ class Limits:
     body_bytes: int = 1 << 20
     read_timeout: float = 30.0
     idle_timeout: float = 15.0  # past httpx's (the openai client's) 5 s keep-alive: the client closes first
+    concurrent: int = 16
+    queued: int = 1024
 
 
 # each limit's flag (hf_alibi.cli.parser.SERVE_FLAGS) and the field of Limits it sets
 LIMIT_FLAGS = {"max_new_tokens_cap": "new_tokens", "max_prompt_tokens": "prompt_tokens",
                "max_body_bytes": "body_bytes", "read_timeout": "read_timeout",
-               "idle_timeout": "idle_timeout"}  # fmt: skip
+               "idle_timeout": "idle_timeout", "max_concurrent_requests": "concurrent",
+               "max_queued_requests": "queued"}  # fmt: skip
+
+
+LIMITS_ENV = "HF_ALIBI_SERVE_LIMITS"  # hf-alibi serve --engine vllm: Limits as JSON, for vLLM's server process
+VLLM_MIDDLEWARE = "hf_alibi.serve.vllm.guard.VllmGuard"  # what vLLM's --middleware imports
+
+
+def limits_environment(limits: Limits) -> dict:
+    """The environment variables that hand ``limits`` to vLLM's server process (:data:`VLLM_MIDDLEWARE` reads them)
+    and to its uvicorn server's keep-alive timeout (whole seconds)."""
+    return {LIMITS_ENV: json.dumps(dataclasses.asdict(limits)),
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(max(1, round(limits.idle_timeout)))}  # fmt: skip
+
+
+def limits_from_environment() -> Limits | None:
+    """The limits :func:`limits_environment` handed to this process, or None."""
+    given = os.environ.get(LIMITS_ENV)
+    return None if given is None else Limits(**json.loads(given))
 
 
 def openai_error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
@@ -101,7 +127,7 @@ def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str, prompt_c
     if path not in MAXIMUM_FIELDS:
         return body
     _check_common(body, tokenizer)
-    body[MAXIMUM_FIELDS[path][-1]] = _maximum(body, MAXIMUM_FIELDS[path], cap)
+    body[MAXIMUM_FIELDS[path][-1]] = bounded_new_tokens(body, MAXIMUM_FIELDS[path], cap)
     if path == COMPLETIONS:
         tokens, param = _check_prompt(body, tokenizer), "prompt"
     else:
@@ -132,7 +158,7 @@ def _is_number(value) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
-def _maximum(body: dict, fields: tuple[str, ...], cap: int) -> int:
+def bounded_new_tokens(body: dict, fields: tuple[str, ...], cap: int) -> int:
     """The request's bound on new tokens (its last field given wins, as in transformers), at most ``cap``."""
     asked = None
     for field in fields:

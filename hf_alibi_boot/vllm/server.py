@@ -20,6 +20,14 @@ def main(argv: list[str]) -> None:
         argv = ["--model", argv[0], *argv[1:]]
     from vllm.entrypoints.launchers.api_server.entry import main as api_server
 
+    from hf_alibi.serve.request_checks import limits_from_environment
+
+    limits = limits_from_environment()  # hf-alibi serve --engine vllm's bounds (hf_alibi.serve.vllm.guard)
+    if limits is not None:
+        from hf_alibi.serve.connections import bound_connections
+
+        bound_connections(limits)  # idle connections closed, late headers answered 408, in vLLM's uvicorn server
+
     sys.argv = ["vllm", *argv]  # its parser reads sys.argv
     api_server()
 

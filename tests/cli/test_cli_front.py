@@ -109,6 +109,8 @@ def test_serve_options_are_read_from_their_declarations():
     assert serve_options(["--max_new_tokens_cap=8", "--port", "8000"]) == (Limits(new_tokens=8), ["--port", "8000"])
     argv = ["--read-timeout", "2.5", "--idle_timeout=1", "--max-body-bytes", "100", "--max-prompt-tokens", "9"]
     assert serve_options(argv) == (Limits(prompt_tokens=9, body_bytes=100, read_timeout=2.5, idle_timeout=1.0), [])
+    limits = serve_options(["--max-concurrent-requests", "4", "--max-queued-requests=8", "--port", "1"])
+    assert limits == (Limits(concurrent=4, queued=8), ["--port", "1"])
     for argv, message in [
         (["--max-new-tokens-cap"], "takes a positive number of new tokens per request (got None)"),
         (["--port", "70000"], "argument --port: invalid port '70000'"),

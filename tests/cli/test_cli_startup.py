@@ -143,6 +143,15 @@ def test_value_errors_come_before_the_library(folders, tmp_path):
         (["serve", folders["src"], "--port=70000"], "argument --port: invalid port '70000'"),
         (["serve", folders["src"], "--max-new-tokens-cap", "0"], "--max-new-tokens-cap takes a positive number"),
         (["serve", folders["src"], "--engine", "sglang"], "argument --engine: invalid choice 'sglang'"),
+        (
+            ["serve", folders["src"], "--engine", "vllm", "--max-prompt-tokens", "9"],
+            "--max-prompt-tokens is transformers' server's: with --engine vllm a prompt is bounded by vLLM's "
+            "--max-model-len.",
+        ),
+        (
+            ["serve", folders["src"], "--max-concurrent-requests", "0"],
+            "--max-concurrent-requests takes a positive number of requests (got '0')",
+        ),
     ]
     _assert_one_line_errors(cases)
     assert not (tmp_path / "a").exists()

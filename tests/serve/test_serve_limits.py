@@ -1,5 +1,5 @@
 """``hf-alibi serve``'s bounds on hostile clients (hf_alibi/serve/guard.py, hf_alibi/serve/connections.py), measured
-from outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py's start and stop), plain and
+from outside: the real server on 127.0.0.1 (a child process, tests/serve/test_serve.py's start and stop), plain and
 ``--continuous-batching``, driven by raw sockets and the official ``openai`` client.
 
 - a body over ``--max-body-bytes``, declared (Content-Length) or not (chunked), and a 10 MB one sent by the
@@ -10,9 +10,13 @@ from outside: the real server on 127.0.0.1 (a child process, tests/test_serve.py
 - a stream whose client leaves: transformers' batching scheduler holds no request and no cache block within 1 s
   (its own counts, read through ``GET /hf-alibi/load``), and the next request is answered at once with its greedy
   tokens (a generation left running would hold the plain server's one inference thread for seconds); the same for a
-  non-streamed request in the batching worker whose client leaves before its answer.
+  non-streamed request in the batching worker whose client leaves before its answer;
+- past ``--max-concurrent-requests`` the requests wait their turn outside the engine, in arrival order (a waiting
+  client that leaves leaves the queue; a place freed goes to the next at once), and past ``--max-queued-requests``
+  the next is answered 429 with Retry-After.
 
-Every good answer is compared with greedy ``generate()`` of the folder alone (tests/test_serve.py's ``expected``)."""
+Every good answer is compared with greedy ``generate()`` of the folder alone (tests/serve/test_serve.py's
+``expected``)."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import urllib.request
 import openai
 import pytest
 import test_serve
-from test_serve import QUESTIONS, ask, expected, folder, start, stop  # noqa: F401 (fixtures)
+from test_serve import NEW_TOKENS, QUESTIONS, ask, expected, folder, start, stop  # noqa: F401 (fixtures)
 
 pytestmark = test_serve.pytestmark
 
@@ -32,14 +36,17 @@ BODY_LIMIT = 65536
 PROMPT_LIMIT = 64
 READ_TIMEOUT = 2.0
 IDLE_TIMEOUT = 1.0
+CONCURRENT, QUEUED = 2, 2
+ENDLESS = 20000  # new tokens of the streams that hold the places: minutes, longer than the test holds them
 LONG = 1000  # new tokens of the stream left: seconds of generation on this untrained model, which never ends early
 CB = ("--continuous-batching",)
 
 
 @pytest.fixture(scope="module", params=[(), CB], ids=["plain", "continuous-batching"])
 def server(request, folder):  # noqa: F811
-    limits = ("--max-new-tokens-cap", str(LONG), "--max-body-bytes", str(BODY_LIMIT), "--max-prompt-tokens",
-              str(PROMPT_LIMIT), "--read-timeout", str(READ_TIMEOUT), "--idle-timeout", str(IDLE_TIMEOUT))  # fmt: skip
+    limits = ("--max-new-tokens-cap", str(ENDLESS), "--max-body-bytes", str(BODY_LIMIT), "--max-prompt-tokens",
+              str(PROMPT_LIMIT), "--read-timeout", str(READ_TIMEOUT), "--idle-timeout", str(IDLE_TIMEOUT),
+              "--max-concurrent-requests", str(CONCURRENT), "--max-queued-requests", str(QUEUED))  # fmt: skip
     process, port = start(folder, *limits, *request.param)
     process.port = port
     yield process
@@ -215,3 +222,52 @@ def test_a_batched_request_whose_client_leaves_before_its_answer_is_dropped(serv
         assert time.monotonic() - left < 1, now
         time.sleep(0.05)
     assert ask(port, folder, QUESTIONS[1]) == expected[QUESTIONS[1]]
+
+
+def send(port: int, path: str, body: dict) -> socket.socket:
+    sock = connect(port)
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                 + b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+    return sock
+
+
+def wait_for(port: int, want: dict, seconds: float = 3.0) -> dict:
+    """``GET /hf-alibi/load`` until its ``in_flight`` and ``queued`` are ``want``'s; fails after ``seconds`` (each
+    change is one disconnect seen and one place handed on: milliseconds idle, seconds on a loaded machine)."""
+    started = time.monotonic()
+    while True:
+        now = load(port)
+        if {key: now[key] for key in want} == want:
+            return now
+        assert time.monotonic() - started < seconds, (want, now)
+        time.sleep(0.05)
+
+
+def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_queue_get_429(server, folder, expected):  # noqa: F811
+    port = server.port
+    endless = {"prompt": "Hello world", "max_tokens": ENDLESS, "temperature": 0, "stream": True}
+    streams = [send(port, "/v1/completions", endless) for _ in range(CONCURRENT)]  # the places taken
+    wait_for(port, {"in_flight": 2, "queued": 0}, 10)
+    waiting = []
+    for question in QUESTIONS[2:4]:  # two more: they wait, outside the engine
+        waiting.append(send(port, "/v1/chat/completions", {"model": str(folder), "messages": [{"role": "user",
+                       "content": question}], "max_tokens": NEW_TOKENS, "temperature": 0}))  # fmt: skip
+        wait_for(port, {"in_flight": 2, "queued": len(waiting)})
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:  # one more than the queue holds: 429 at once
+        client.completions.create(model=str(folder), prompt="Hi", max_tokens=3)
+    assert refused.value.status_code == 429 and refused.value.response.headers["retry-after"] == "1"
+    assert_openai_error({"error": refused.value.body}, "server_busy")
+    assert time.monotonic() - started < 2
+    waiting.pop(0).close()  # a waiting client leaves: out of the queue, no place taken
+    wait_for(port, {"in_flight": 2, "queued": 1})
+    streams.pop(0).close()  # a place freed: the next waiting request goes in at once
+    wait_for(port, {"in_flight": 2, "queued": 0})
+    streams.pop(0).close()
+    status, payload, _ = read_answer_keep_alive(waiting[0])
+    waiting.pop(0).close()
+    assert status == 200 and payload["choices"][0]["message"]["content"] == expected[QUESTIONS[3]]
+    now = wait_for(port, {"in_flight": 0, "queued": 0})
+    assert now["continuous_batching"] is None or not any(now["continuous_batching"].values()), now

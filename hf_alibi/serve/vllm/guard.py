@@ -1,0 +1,87 @@
+"""``hf-alibi serve MODEL --engine vllm``'s bounds on requests, in vLLM's own OpenAI server (its ``--middleware``:
+an ASGI class vLLM adds by import path, without arguments, so its limits come from the environment the command line
+sets: :func:`hf_alibi.serve.request_checks.limits_environment`).
+
+vLLM's server reads any body whole, however large, keeps a connection whose body never comes open for as long as
+the client likes, and queues every request it is sent. Here, as for transformers' server
+(:mod:`hf_alibi.serve.guard`, :mod:`hf_alibi.serve.connections`):
+
+- every POST's body at most ``--max-body-bytes`` (413, read no further) and read within ``--read-timeout`` (408);
+- the generation requests (completions, chat, responses) at most ``--max-concurrent-requests`` at once inside vLLM,
+  the rest waiting in arrival order, at most ``--max-queued-requests`` of them (then 429);
+- a request's new tokens at most ``--max-new-tokens-cap``: one that names no maximum gets the cap, one that asks more
+  is refused (400);
+- ``GET /hf-alibi/load``: requests inside and waiting.
+
+What vLLM checks itself (the JSON, the fields, the prompt against ``--max-model-len``) it answers in OpenAI's shape;
+``--max-prompt-tokens`` is transformers' server's only (vLLM's bound is ``--max-model-len``)."""
+
+from __future__ import annotations
+
+import json
+
+from ..guard import CLOSE, LOAD_PATH, Admission, answer_json, read_body
+from ..request_checks import MAXIMUM_FIELDS, BadRequest, Limits, bounded_new_tokens, limits_from_environment
+
+
+class VllmGuard:
+    """ASGI middleware for vLLM's server (see the module)."""
+
+    def __init__(self, app, limits: Limits | None = None):
+        self.app, self.limits = app, limits or limits_from_environment() or Limits()
+        self.admission = Admission(self.limits.concurrent, self.limits.queued)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == LOAD_PATH:
+            await answer_json(send, 200, {"in_flight": self.admission.inside, "queued": self.admission.waiting})
+            return
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            raw = await read_body(scope, receive, self.limits)
+            if raw is None:  # the client left
+                return
+            raw = self._capped(scope["path"], raw)
+        except BadRequest as error:
+            await answer_json(send, error.status, error.payload(), CLOSE if error.status in (408, 413) else None)
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        given = False
+
+        async def replay():
+            nonlocal given
+            if given:  # then the client's own stream: vLLM watches it for the client's disconnect
+                return await receive()
+            given = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        if scope["path"] not in MAXIMUM_FIELDS:
+            await self.app(scope, replay, send)
+            return
+        try:
+            if not await self.admission.enter(receive):
+                return  # the client left while its request waited
+        except BadRequest as error:
+            await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
+            return
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.admission.leave()
+
+    def _capped(self, path: str, raw: bytes) -> bytes:
+        """The body with its bound on new tokens at most the cap (written in when it names none); a body that is not
+        a JSON object is passed on as it came, for vLLM to refuse."""
+        fields = MAXIMUM_FIELDS.get(path)
+        if fields is None:
+            return raw
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return raw
+        if not isinstance(body, dict):
+            return raw
+        body[fields[-1]] = bounded_new_tokens(body, fields, self.limits.new_tokens)
+        return json.dumps(body).encode()
