@@ -263,8 +263,8 @@ def test_requests_past_the_concurrency_limit_wait_their_turn_and_past_the_queue_
     assert time.monotonic() - started < 2
     waiting.pop(0).close()  # a waiting client leaves: out of the queue, no place taken
     wait_for(port, {"in_flight": 2, "queued": 1})
-    streams.pop(0).close()  # a place freed: the next waiting request goes in at once
-    wait_for(port, {"in_flight": 2, "queued": 0})
+    streams.pop(0).close()  # a place freed: the next waiting request goes in at once (and may be answered already)
+    assert wait_for(port, {"queued": 0})["in_flight"] in (1, 2)
     streams.pop(0).close()
     status, payload, _ = read_answer_keep_alive(waiting[0])
     waiting.pop(0).close()
