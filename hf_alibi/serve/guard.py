@@ -96,21 +96,8 @@ class RequestGuard:
             request_id = uuid.uuid4().hex.encode()
             headers.append((b"x-request-id", request_id))
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        given = False
-
-        async def replay():
-            nonlocal given
-            if given:  # then the client's own stream: its disconnect ends a streamed answer
-                return await receive()
-            given = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        sending = _OpenAIErrors(send)
-        try:
-            if not await self.admission.enter(receive):
-                return  # the client left while its request waited
-        except BadRequest as error:
-            await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
+        replay, sending = replaying(body, receive), _OpenAIErrors(send)
+        if not await admitted(self.admission, receive, send):
             return
         try:
             if batched:
@@ -143,6 +130,31 @@ class RequestGuard:
                 await task
         finally:
             watch.cancel()
+
+
+def replaying(body: bytes, receive):
+    """An ASGI ``receive`` that gives ``body`` (read and checked here) first, then the client's own messages: its
+    disconnect ends a streamed answer."""
+    given = False
+
+    async def replay():
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def admitted(admission: Admission, receive, send) -> bool:
+    """Wait for a place (:meth:`Admission.enter`): True once inside (then ``admission.leave()`` once); False when the
+    client left while it waited, or the queue was full (429 with ``Retry-After`` answered here)."""
+    try:
+        return await admission.enter(receive)
+    except BadRequest as error:
+        await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
+        return False
 
 
 class Admission:

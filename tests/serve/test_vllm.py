@@ -497,13 +497,12 @@ def _post(url: str, body: dict) -> dict:
 
 
 @contextmanager
-def _vllm_server(folder: Path, *flags: str):
-    """vLLM's OpenAI server on ``folder`` (``python -m hf_alibi_boot.vllm``), on 127.0.0.1, once it answers /health:
-    its base URL."""
+def _vllm_server(folder: Path, *flags: str, entry: tuple[str, ...] = ("-m", "hf_alibi_boot.vllm")):
+    """vLLM's OpenAI server on ``folder`` (``python -m hf_alibi_boot.vllm``, or ``entry``: ``hf-alibi serve``'s), on
+    127.0.0.1, once it answers /health: its base URL."""
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "hf_alibi_boot.vllm", str(folder), "--host", "127.0.0.1",
-                               "--port", str(port), *flags], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)  # fmt: skip
+    command = [sys.executable, *entry, str(folder), "--host", "127.0.0.1", "--port", str(port), *flags]
+    server = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 400
         while True:

@@ -16,15 +16,14 @@ import hf_alibi_boot.vllm  # noqa: F401  first: where .[vllm] put CUDA builds of
 # isort: split
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from test_serve_limits import assert_openai_error, read_answer
-from test_vllm import ENV, MAX_TOKENS, PROMPTS, _free_port, _post, _run_engine, folders  # noqa: F401 (fixture)
+from test_vllm import MAX_TOKENS, PROMPTS, _post, _run_engine, _vllm_server, folders  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -35,30 +34,11 @@ FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--g
 
 @pytest.fixture(scope="module")
 def server(folders):  # noqa: F811
-    port = _free_port()
     limits = ["--max-body-bytes", str(BODY_LIMIT), "--read-timeout", str(READ_TIMEOUT), "--idle-timeout",
               str(IDLE_TIMEOUT), "--max-new-tokens-cap", str(CAP)]  # fmt: skip
-    command = [sys.executable, "-m", "hf_alibi", "serve", str(folders["llama"]), "--engine", "vllm", *limits,
-               "--host", "127.0.0.1", "--port", str(port), *FLAGS]  # fmt: skip
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert process.poll() is None, process.stdout.read()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vLLM's server did not start"
-                time.sleep(2)
-        process.port = port
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    entry = ("-m", "hf_alibi", "serve")
+    with _vllm_server(folders["llama"], "--engine", "vllm", *limits, *FLAGS, entry=entry) as base:
+        yield SimpleNamespace(port=int(base.rsplit(":", 1)[1].split("/")[0]))
 
 
 def raw(port: int, payload: bytes) -> socket.socket:

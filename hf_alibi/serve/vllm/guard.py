@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from ..guard import CLOSE, LOAD_PATH, Admission, answer_json, read_body
+from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replaying
 from ..request_checks import MAXIMUM_FIELDS, BadRequest, Limits, bounded_new_tokens, limits_from_environment
 
 
@@ -48,23 +48,11 @@ class VllmGuard:
             return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
-        given = False
-
-        async def replay():
-            nonlocal given
-            if given:  # then the client's own stream: vLLM watches it for the client's disconnect
-                return await receive()
-            given = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-
+        replay = replaying(raw, receive)  # then the client's own stream: vLLM watches it for a disconnect
         if scope["path"] not in MAXIMUM_FIELDS:
             await self.app(scope, replay, send)
             return
-        try:
-            if not await self.admission.enter(receive):
-                return  # the client left while its request waited
-        except BadRequest as error:
-            await answer_json(send, error.status, error.payload(), [(b"retry-after", b"1")])
+        if not await admitted(self.admission, receive, send):
             return
         try:
             await self.app(scope, replay, send)
