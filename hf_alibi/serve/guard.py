@@ -89,14 +89,12 @@ class RequestGuard:
             await answer_json(send, error.status, error.payload())
             return
         batched = not body.get("stream") and cb_requests(self.generation_state) is not None
-        body = json.dumps(body).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
-        request_id = dict(headers).get(b"x-request-id")  # transformers' request id: the client's, or one made here
+        request_id, made = dict(scope["headers"]).get(b"x-request-id"), []  # transformers' id: the client's, or ours
         if request_id is None:
             request_id = uuid.uuid4().hex.encode()
-            headers.append((b"x-request-id", request_id))
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        replay, sending = replaying(body, receive), _OpenAIErrors(send)
+            made.append((b"x-request-id", request_id))
+        scope, replay = replayed(scope, json.dumps(body).encode(), receive, made)
+        sending = _OpenAIErrors(send)
         if not await admitted(self.admission, receive, send):
             return
         try:
@@ -132,9 +130,12 @@ class RequestGuard:
             watch.cancel()
 
 
-def replaying(body: bytes, receive):
-    """An ASGI ``receive`` that gives ``body`` (read and checked here) first, then the client's own messages: its
-    disconnect ends a streamed answer."""
+def replayed(scope, body: bytes, receive, headers: list | None = None):
+    """The request as the app is handed it once its body was read and checked here: ``scope`` with ``headers`` added
+    and the Content-Length of ``body`` (the client's, or its chunked transfer, dropped), and an ASGI ``receive`` that
+    gives ``body`` first, then the client's own messages (its disconnect ends a streamed answer)."""
+    kept = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
+    scope = {**scope, "headers": [*kept, *(headers or ()), (b"content-length", str(len(body)).encode())]}
     given = False
 
     async def replay():
@@ -144,7 +145,7 @@ def replaying(body: bytes, receive):
         given = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return replay
+    return scope, replay
 
 
 async def admitted(admission: Admission, receive, send) -> bool:

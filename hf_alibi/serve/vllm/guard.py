@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replaying
+from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replayed
 from ..request_checks import MAXIMUM_FIELDS, BadRequest, Limits, bounded_new_tokens, limits_from_environment
 
 
@@ -40,15 +40,17 @@ class VllmGuard:
             return
         try:
             raw = await read_body(scope, receive, self.limits)
-            if raw is None:  # the client left
-                return
+        except BadRequest as error:  # 413, 408: the connection closed after the answer
+            await answer_json(send, error.status, error.payload(), CLOSE)
+            return
+        if raw is None:  # the client left
+            return
+        try:
             raw = self._capped(scope["path"], raw)
         except BadRequest as error:
-            await answer_json(send, error.status, error.payload(), CLOSE if error.status in (408, 413) else None)
+            await answer_json(send, error.status, error.payload())
             return
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-length", b"transfer-encoding")]
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
-        replay = replaying(raw, receive)  # then the client's own stream: vLLM watches it for a disconnect
+        scope, replay = replayed(scope, raw, receive)  # then the client's own stream: vLLM watches it for a disconnect
         if scope["path"] not in MAXIMUM_FIELDS:
             await self.app(scope, replay, send)
             return
