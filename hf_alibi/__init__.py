@@ -96,11 +96,11 @@ __all__ = [
 # Names that moved keep an alias for one release (CONTRIBUTING: deprecated names)
 _MOVED = {"is_alibi_config": "is_alibi", "is_alibi_model": "is_alibi"}
 # Modules that moved into their wings: old name -> (new name, warns). ``import hf_alibi.<old>`` gives the module at its
-# new name, the same object (_Aliases). Two names stay without a warning: hf_alibi.models, the name the Alibi<Class>
-# classes carry (their __module__: pickles and user code name it), and hf_alibi.data, which the notebooks import.
+# new name, the same object (_Aliases). One name stays without a warning: hf_alibi.models, the name the Alibi<Class>
+# classes carry (their __module__: pickles and user code name it).
 _MOVED_MODULES = {
     "models": ("convert.models", False),
-    "data": ("train.data", False),
+    "data": ("train.data", True),
     "jobs": ("cli.jobs", True),
     "evaluation": ("evaluate.lengths", True),
     "patch": ("convert.patch", True),

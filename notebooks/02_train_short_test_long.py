@@ -19,7 +19,7 @@
 # perplexity on much longer inputs, while a model with learned position embeddings falls apart past `L`.
 #
 # Here two small GPT-2s, identical but for the position path, are trained the same way on short
-# sequences of Python standard-library source code (a corpus built locally by `hf_alibi.data`), then
+# sequences of Python standard-library source code (a corpus built locally by `hf_alibi.train.data`), then
 # evaluated at `L`, `2L`, `4L` and `8L` with `hf_alibi.evaluate` (non-overlapping windows, the paper's
 # main protocol). The baseline's position table is made long enough for every evaluation length, but
 # only its first `L` rows are ever trained.
@@ -46,8 +46,8 @@ from transformers import DataCollatorForLanguageModeling, GPT2Config, GPT2LMHead
 from transformers.trainer_callback import PrinterCallback
 
 import hf_alibi
-from hf_alibi.data import embedded_corpus, train_tokenizer
 from hf_alibi.evaluate import evaluate_lengths
+from hf_alibi.train.data import embedded_corpus, train_tokenizer
 
 FULL = SIZE == "full"
 L = 64 if FULL else 32  # training length

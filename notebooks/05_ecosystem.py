@@ -39,7 +39,7 @@ transformers.logging.disable_progress_bar()
 # %% [markdown]
 # ## A small pretrained GPT-2
 #
-# Python's standard library is the text (`hf_alibi.data` builds the corpus locally), with a small BPE.
+# Python's standard library is the text (`hf_alibi.train.data` builds the corpus locally), with a small BPE.
 
 # %%
 import copy
@@ -51,8 +51,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_alibi
-from hf_alibi.data import embedded_corpus, train_tokenizer
 from hf_alibi.recover import next_token_kl, recover, token_stream
+from hf_alibi.train.data import embedded_corpus, train_tokenizer
 
 datasets.disable_progress_bars()
 L = 32  # the original's positions

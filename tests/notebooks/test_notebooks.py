@@ -27,7 +27,7 @@ SOURCES = sorted(path.name for path in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 # The modules of hf_alibi a notebook may import (the package and the documented public modules); the rest
 # (core/, the patch and registry internals) is reached through these.
-PUBLIC_MODULES = {"hf_alibi", "hf_alibi.data", "hf_alibi.evaluate", "hf_alibi.recover", "hf_alibi.train"}
+PUBLIC_MODULES = {"hf_alibi", "hf_alibi.evaluate", "hf_alibi.recover", "hf_alibi.train", "hf_alibi.train.data"}
 
 
 def cells(notebook) -> list[tuple[str, str]]:
