@@ -17,6 +17,8 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from ._lazy import lazy_names
+
 if TYPE_CHECKING:  # the homes of the lazy names (tests/test_imports.py reads them from here)
     from .convert.fit import fit_slopes  # noqa: F401
     from .convert.patch import ConversionPlan, patch_model, plan_conversion  # noqa: F401
@@ -115,13 +117,12 @@ _MOVED_MODULES = {
 }
 
 
+_names, __dir__ = lazy_names(__name__, _HOMES, submodules=True)
+
+
 def __getattr__(name: str):
-    if name in _HOMES:
-        value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    if name in _MOVED_MODULES or (not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}")):
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as ``import hf_alibi.<name>`` gives it
+    if name in _MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the module at its new name (_Aliases)
     if name in _MOVED:
         warnings.warn(
             f"hf_alibi.{name} is now hf_alibi.{_MOVED[name]} (it takes a model, a config or config.json as a dict); "
@@ -129,12 +130,8 @@ def __getattr__(name: str):
             FutureWarning,
             stacklevel=2,
         )
-        return __getattr__(_MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+        return _names(_MOVED[name])
+    return _names(name)
 
 
 # ------------------------------------------------------------------------------------------------- registration

@@ -16,9 +16,9 @@ Names resolve on first use (PEP 562): the command line imports ``planning`` with
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # the homes of the lazy names
     from .fit import fit_slopes  # noqa: F401
@@ -37,11 +37,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name in _HOMES:
-        value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f".{name}", __name__)  # a submodule, as ``import`` gives it
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, submodules=True)

@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_names
 
 _HOMES = {
     "PROTOCOLS": "lengths",
@@ -41,13 +41,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

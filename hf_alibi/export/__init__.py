@@ -7,8 +7,9 @@ transformers: the command line asks them).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # the homes of the lazy names
     from .gguf import OUTTYPES, GGUFExportError, check_exportable, export_gguf  # noqa: F401
@@ -17,9 +18,4 @@ _HOMES = dict.fromkeys(["OUTTYPES", "GGUFExportError", "check_exportable", "expo
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -20,8 +20,9 @@ load the card or upload code.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 _HOMES = {
     "REMOTE_CODE_FILE": "remote_code",
@@ -84,12 +85,4 @@ if TYPE_CHECKING:
     from .upload import HubConnectionError, push_folder
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{home}", __name__), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

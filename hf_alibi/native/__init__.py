@@ -17,8 +17,9 @@ the masks), ``model.py`` (the classes made per original class and row, pickling,
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # the homes of the lazy names
     from .attention import NativeAlibiAttention, boolean_causal_mask, is_causal_mark, native_slopes  # noqa: F401
@@ -35,9 +36,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

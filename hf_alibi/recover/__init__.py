@@ -47,8 +47,9 @@ The names below are loaded from their modules on first use (as :mod:`hf_alibi.hu
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 _SUBMODULES = (
     "api", "blocks", "checkpoint", "kinds", "lengths", "lora", "losses", "metrics", "settings", "summary", "trainer",
@@ -123,14 +124,4 @@ if TYPE_CHECKING:
     from .warm_start import PositionWarmStart
 
 
-def __getattr__(name: str):
-    if name in _SUBMODULES:  # hf_alibi.recover.api without importing it first, as when this file imported them all
-        return importlib.import_module(f".{name}", __name__)
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home, __name__), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES, *_SUBMODULES})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, _SUBMODULES)

@@ -10,19 +10,17 @@
   the slopes, sinks on vLLM's kernels). vLLM enters it through ``hf_alibi_boot.vllm`` (the entry point and the server
   process, which must run before hf_alibi imports transformers).
 
-This file imports nothing: the command line's front loads ``request_checks`` through it before torch is imported.
+This file imports nothing but the lazy-name helper (``hf_alibi/_lazy.py``): the command line's front loads
+``request_checks`` through it before torch is imported.
 ``hf_alibi.serve.serve`` and the other names of ``server.py`` load that module on first use.
 """
 
 from __future__ import annotations
 
+from .._lazy import lazy_names
+
 _SERVER_NAMES = ("serve", "serving_class", "native_loader", "check_server_version", "MissingServingExtras")
 __all__ = list(_SERVER_NAMES)
 
 
-def __getattr__(name: str):
-    if name in _SERVER_NAMES:
-        from . import server
-
-        return getattr(server, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(_SERVER_NAMES, "server"))
