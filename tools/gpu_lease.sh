@@ -115,7 +115,7 @@ part1() {
         describe
         echo "== pytest -m gpu: the fold on cuDNN against float64, the half fold, the attention paths"
         timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not fa4" tests/core/test_gpu_kernels.py \
-            tests/core/test_folded_half_gpu.py tests/core/test_attention_paths.py 2>&1 | tail -25
+            tests/core/test_folded_half_gpu.py tests/core/test_attention_flex_flash.py 2>&1 | tail -25
         echo "== benchmarks/gpu.py: GPT-2, Llama: the fold on cuDNN and on flash, the bias path"
         timeout 200 python3 benchmarks/gpu.py --lengths 1024 4096 16384 --repeats 3 --gen-repeats 2 \
             --new-tokens 32 --no-main-job --types gpt2 llama --arms fold-cudnn fold-flash bias

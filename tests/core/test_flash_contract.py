@@ -3,7 +3,7 @@
 (varlen), KV-cache decoding steps, sliding windows, soft-capping, grouped KV heads; whole models too.
 
 Only the kernels are stood in (``hf_alibi.core.flash.flash_kernels``, the one place that finds them); without
-the stand-in the real lookup still refuses the CPU (tests/core/test_attention_paths.py).
+the stand-in the real lookup still refuses the CPU (tests/core/test_attention_flex_flash.py).
 """
 
 import flash_standin
