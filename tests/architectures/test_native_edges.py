@@ -106,7 +106,7 @@ def test_an_unknown_backend_is_refused_with_what_this_model_runs(case):
         model.set_attn_implementation("vllm_attention")
     message = str(error.value)
     assert "\n" not in message and "converted" not in message and case.model_type in message
-    # Falcon's bias rounded per key has no flash form (test_native_alibi.py: test_falcon_refuses_flash...)
+    # Falcon's bias rounded per key has no flash form (test_native_kernels.py: test_falcon_refuses_flash...)
     expected = ["eager", "sdpa", "flex_attention"] + ([] if case.model_type == "falcon" else ["flash_attention_2"])
     listed = [b for b in ("eager", "sdpa", "flex_attention", "flash_attention_2") if repr(b) in message]
     assert listed == expected, message
