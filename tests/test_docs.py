@@ -47,7 +47,16 @@ def test_ci_runs_the_vllm_tier_in_an_environment_made_as_readme_says():
     assert env_python == [
         ["-m", "pip", "install", "-q", "torch==2.13.0"],
         ["-m", "pip", "install", "-q", "-e", ".[vllm]", "pytest"],
-        ["-m", "pytest", "-q", "-m", "vllm", "tests/serve/test_vllm.py", "tests/serve/test_vllm_limits.py"],
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "vllm",
+            "tests/serve/test_vllm.py",
+            "tests/serve/test_vllm_config.py",
+            "tests/serve/test_vllm_limits.py",
+        ],
     ]
     readme = (REPO_ROOT / "README.md").read_text()
     assert 'pip install -e ".[vllm]"' in readme and "pip install torch==2.13.0" in readme

@@ -1,8 +1,8 @@
 """vLLM runs a converted model (and its own BLOOM / Falcon-RW) only on an attention backend that applies the slopes
 (hf_alibi/serve/vllm/internals.py), checked without vLLM: the config hook's pin on stand-ins of vLLM's config and CUDA
 selector with the orders of 0.32 and 0.33 as read (tests/vllm_standin.py), the refusals' lines, the per-layer check
-and the version line. The vLLM tier (tests/serve/test_vllm.py) checks the recorded orders against the installed vLLM
-and the same hook in vLLM's own config; the `gpu` test there runs it on a GPU."""
+and the version line. The vLLM tier (tests/serve/test_vllm_config.py) checks the recorded orders against the installed
+vLLM and the same hook in vLLM's own config; the `gpu` test there runs it on a GPU."""
 
 import pytest
 import torch
