@@ -164,7 +164,7 @@ attention() {  # carry [".whl/a"], timeout_s 360: every GPU test but FA4's,
         describe
         echo "== pytest -m gpu (all but FA4's)"
         timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not fa4" tests/core tests/training/test_fsdp.py \
-            tests/test_vllm.py 2>&1 | tail -15
+            tests/serve/test_vllm_config.py 2>&1 | tail -15
         echo "== benchmarks/gpu_attention.py: one attention call, forward + backward, batch 1 and 8"
         timeout 60 python3 benchmarks/gpu_attention.py --lengths 1024 4096 16384 --arms plain-cudnn plain-flash \
             plain-efficient plain-cudnn-72 bias-kernel bias fold-cudnn fold-channel
@@ -202,7 +202,7 @@ batch() {  # the automatic choice counting the batch (carry [".whl/c"]: transfor
         describe
         echo "== pytest -m gpu (all but FA4's)"
         timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not fa4" tests/core tests/training/test_fsdp.py \
-            tests/test_vllm.py 2>&1 | tail -60
+            tests/serve/test_vllm_config.py 2>&1 | tail -60
         echo "== benchmarks/gpu.py: GPT-2, Llama at batch 8: auto, the folded path forced (cuDNN), the bias path"
         timeout 120 python3 benchmarks/gpu.py --batch 8 --lengths 1024 4096 --repeats 3 --gen-repeats 1 \
             --new-tokens 8 --no-main-job --types gpt2 llama --arms unpatched-flash unpatched-cudnn auto fold-cudnn bias

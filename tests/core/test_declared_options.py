@@ -15,7 +15,7 @@ from hf_alibi.convert.patch import PRESETS
 
 
 def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_json():
-    """An option is declared once (a field of AlibiSettings made with core.config.option); everything else is
+    """An option is declared once (a field of AlibiSettings made with core.settings.option); everything else is
     read from the declaration. Each declared option, given a value that is not its default, reaches each place."""
     import dataclasses
     import inspect

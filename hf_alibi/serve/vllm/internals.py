@@ -38,7 +38,7 @@ def version_warning(version: str) -> str | None:
         return None
     return (
         f"hf_alibi: vLLM {version} is outside the versions hf_alibi read ({READ_ON}): its plugin pins and checks "
-        "the attention backend as there, untested; pytest -m vllm tests/serve/test_vllm.py checks this version."
+        "the attention backend as there, untested; pytest -m vllm tests/serve/test_vllm_config.py checks this version."
     )
 
 
