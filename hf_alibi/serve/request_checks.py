@@ -28,6 +28,13 @@ TEXT_PARTS = ("text", "input_text", "output_text")
 CAP_OPTION = "--max-new-tokens-cap"
 DEFAULT_CAP = 1024  # transformers serve's own default for a request that names no maximum
 PROMPT_OPTION = "--max-prompt-tokens"
+# the deepest nesting of arrays and objects a request body may have: OpenAI's requests nest a few levels (a tool's
+# JSON schema a few dozen), and Python's parser, which both servers run on the body again, fails past about 1,000
+MAX_JSON_DEPTH = 100
+# transformers matches each stop sequence against the whole vocabulary before generating (StopStringCriteria): about
+# 30 ms a sequence on SmolLM2's 49,152 tokens, so 50,000 of them would hold the server for half an hour
+MAX_STOP, MAX_STOP_CHARS = 16, 128
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.manual_seed takes (transformers seeds it with a request's seed)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,30 @@ class BadRequest(ValueError):
         return openai_error(str(self), self.status, self.param, self.code)
 
 
+def parse_json(raw: bytes | str):
+    """The JSON document in ``raw``; raises :class:`BadRequest` (400, ``invalid_json``) where it is not JSON, and
+    where Python's parser fails on it beyond the syntax, which a server would answer 500 with a traceback: arrays or
+    objects nested deeper than :data:`MAX_JSON_DEPTH`, an integer of more digits than ``int`` reads from text."""
+    too_deep = BadRequest(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json")  # fmt: skip
+    try:
+        document = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the digits limit
+        reason = "an integer too long to read" if "integer string conversion" in str(error) else error
+        raise BadRequest(f"the request body is not JSON: {reason}", code="invalid_json") from None
+    level, depth = [document], 0
+    while True:  # one level of nesting a turn: every value is looked at once
+        containers = [value for value in level if isinstance(value, (dict, list))]
+        if not containers:
+            return document
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        level = [value for c in containers for value in (c.values() if isinstance(c, dict) else c)]
+
+
 def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str, prompt_cap: int | None = None) -> dict:
     """The request ``raw`` (the JSON body POSTed to ``path``, one of :data:`GUARDED`) checked, with the bound on its
     new tokens written in the field transformers reads first (the request's own, or ``cap`` when it names none);
@@ -116,16 +147,18 @@ def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str, prompt_c
     if path == TRANSCRIPTIONS:
         raise BadRequest(f"this server serves a text model: {TRANSCRIPTIONS} needs a speech-recognition model",
                          code="unsupported_endpoint")  # fmt: skip
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRequest(f"the request body is not JSON: {error}", code="invalid_json") from None
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")
     if path == LOAD_MODEL and body.get("model") != pinned:  # transformers would load another model beside it
         raise _fail("model", f"{pinned!r}: this server serves that model only", body.get("model"))
     if path not in MAXIMUM_FIELDS:
         return body
+    # a null field is the field left out, as OpenAI reads it (transformers' handlers fail on some), and so is an
+    # empty logit_bias (transformers' sequence_bias refuses one)
+    body = {
+        field: value for field, value in body.items() if value is not None and (field, value) != ("logit_bias", {})
+    }
     _check_common(body, tokenizer)
     body[MAXIMUM_FIELDS[path][-1]] = bounded_new_tokens(body, MAXIMUM_FIELDS[path], cap)
     if path == COMPLETIONS:
@@ -182,13 +215,17 @@ def _check_common(body: dict, tokenizer) -> None:
     checks = {
         "model": (lambda v: isinstance(v, str) and v, "a non-empty string"),
         "stream": (lambda v: isinstance(v, bool), "true or false"),
+        "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),  # echoed in a pydantic Response
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "seed": (_is_int, "an integer"),
+        "seed": (lambda v: _is_int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1], "an integer in [-2**63, 2**64)"),
         # transformers turns it into repetition_penalty = 1 + frequency_penalty, which must be positive
         "frequency_penalty": (lambda v: _is_number(v) and -1 < v <= 2, "a number in (-1, 2]"),
         "n": (lambda v: v == 1 and _is_int(v), "1 (this server answers one choice per request)"),
-        "stop": (lambda v: _stop_strings(v), "a non-empty string or a list of them"),
+        "stop": (
+            _stop_strings,
+            f"a non-empty string or a list of at most {MAX_STOP}, each of at most {MAX_STOP_CHARS} characters",
+        ),  # fmt: skip
         "suffix": (lambda v: isinstance(v, str), "a string"),
         "instructions": (lambda v: isinstance(v, str), "a string"),
         "chat_template_kwargs": (lambda v: isinstance(v, dict), "a JSON object"),
@@ -207,7 +244,11 @@ def _check_common(body: dict, tokenizer) -> None:
 
 def _stop_strings(value) -> bool:
     values = [value] if isinstance(value, str) else value
-    return isinstance(values, list) and bool(values) and all(isinstance(v, str) and v for v in values)
+    return (
+        isinstance(values, list)
+        and 0 < len(values) <= MAX_STOP
+        and all(isinstance(v, str) and 0 < len(v) <= MAX_STOP_CHARS for v in values)
+    )
 
 
 def _logit_bias(value, vocabulary: int) -> bool:
@@ -220,8 +261,8 @@ def _check_generation_config(value) -> None:
     """transformers builds ``GenerationConfig(**json.loads(value))``: it must, and pass its strict validation (a
     flag that generation would ignore is refused, with GenerationConfig's own reason)."""
     try:
-        fields = json.loads(value) if isinstance(value, str) else None
-    except json.JSONDecodeError:
+        fields = parse_json(value) if isinstance(value, str) else None
+    except BadRequest:
         fields = None
     if not isinstance(fields, dict):
         raise _fail("generation_config", "a string holding a JSON object of GenerationConfig fields", value)
@@ -296,8 +337,8 @@ def _tool_calls(calls, param: str) -> list[dict]:
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = parse_json(arguments)
+            except BadRequest:
                 arguments = None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(arguments, dict)):
             raise _fail(f"{param}[{i}]", 'a call {"function": {"name": "...", "arguments": "<a JSON object>"}}', call)

@@ -1,9 +1,9 @@
 """``hf-alibi serve`` survives its clients (hf_alibi/serve/guard.py, hf_alibi/serve/request_checks.py), measured from
 outside: the real server on 127.0.0.1 (a child process, tests/serve/test_serve.py's start and stop), a real HTTP
 client, plain and ``--continuous-batching``. Bad requests answer 400 in OpenAI's error shape, each followed by good
-requests answered with their tokens; the cap on new tokens; 32 clients at once, every answer equal to the same
-request's greedy tokens alone; a worker killed by an input nobody foresaw ends the process in one line, and the
-server started again answers as before.
+requests answered with their tokens; no field of any JSON type answers 5xx or breaks a stream; the cap on new
+tokens; 32 clients at once, every answer equal to the same request's greedy tokens alone; a worker killed by an input
+nobody foresaw ends the process in one line, and the server started again answers as before.
 
 Answers are compared with greedy ``generate()`` of the folder reloaded by transformers alone, on a tiny converted
 Llama trained here for a few dozen steps on three sentences: its greedy choices win by a wide logit margin
@@ -166,9 +166,20 @@ BAD = [
     ("/v1/responses", {"input": [], "stream": False}, "input"),
     ("/v1/responses", {"input": "Hello", "max_output_tokens": -5, "stream": False}, "max_output_tokens"),
     ("/v1/responses", {"input": [{"role": "robot", "content": "Hi"}], "stream": False}, "input[0].role"),
+    ("/v1/responses", {"input": "Hello", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),  # a broken stream
     ("/load_model", {"model": "someone/another-model"}, "model"),
     ("/v1/completions", b"{not json", None),
     ("/v1/completions", b"[1, 2]", None),
+    # what Python's parser fails on past the syntax (500 and a traceback in the server's own parse), and what would
+    # hold the server: nesting past the recursion limit, and past 100 levels (here 1 object + 100 arrays, 101); an
+    # integer of 5,000 digits; a seed torch cannot take; more stop sequences, or longer, than transformers should match
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, None),
+    ("/v1/completions", b'{"prompt": "Hello", "x": ' + b"[" * 100 + b"]" * 100 + b"}", None),
+    ("/v1/completions", b'{"prompt": "Hello", "max_tokens": ' + b"9" * 5000 + b"}", None),
+    ("/v1/completions", {"prompt": "Hello", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "Hello", "stop": ["x"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": "Hello", "stop": "x" * 129}, "stop"),
+    ("/v1/chat/completions", {"messages": USER, "generation_config": "[" * 5000 + "]" * 5000}, "generation_config"),
 ]
 
 
@@ -200,6 +211,62 @@ def test_bad_requests_answer_400_and_the_server_answers_the_next_one(server, gre
     assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["code"] == "unsupported_endpoint"
     with urllib.request.urlopen(f"http://127.0.0.1:{server}/health", timeout=10) as response:
         assert json.loads(response.read())["status"] == "ok"
+
+
+# every field transformers' handlers read (transformers/cli/serving/{completion,chat_completion,response,utils}.py,
+# body.get / body[...]) and a few more clients send, per endpoint, with a value of each JSON type and edge
+FIELDS = {
+    "/v1/completions": ({"prompt": "Hello", "max_tokens": 2}, ["prompt", "max_tokens", "temperature", "top_p", "n",
+                        "stream", "stop", "frequency_penalty", "logit_bias", "seed", "suffix", "generation_config",
+                        "logprobs", "echo", "best_of", "user", "stream_options"]),
+    "/v1/chat/completions": ({"messages": USER, "max_tokens": 2}, ["messages", "max_tokens", "max_completion_tokens",
+                             "temperature", "top_p", "n", "stream", "stop", "frequency_penalty", "logit_bias", "seed",
+                             "tools", "tool_choice", "response_format", "chat_template_kwargs", "generation_config",
+                             "parallel_tool_calls", "logprobs", "top_logprobs"]),
+    "/v1/responses": ({"input": "Hello", "max_output_tokens": 2}, ["input", "instructions", "max_output_tokens",
+                      "temperature", "top_p", "stream", "tools", "tool_choice", "parallel_tool_calls",
+                      "generation_config", "seed", "metadata", "text"]),
+}  # fmt: skip
+ANY_JSON = [None, True, False, -1, 0, 1, 10**30, 1.5, 1e308, "", "x", "9" * 3000, [], [1, 2], ["a"], [[1]],
+            [{"type": "text", "text": "Hi"}], {}, {"a": 1}]  # fmt: skip
+
+
+def test_no_field_of_any_json_type_fails_the_server(server):
+    """Each field, each JSON type, streamed and not: answered 200 or refused 4xx, never 5xx; a stream that breaks
+    after its 200 leaves a traceback in the log, which the fixture's teardown finds."""
+    for path, (base, fields) in FIELDS.items():
+        for field in fields:
+            for value in ANY_JSON:
+                for stream in (False, True):
+                    body = {**base, "stream": stream, field: value} if field != "stream" else {**base, field: value}
+                    status, answer = call_raw(server, path, body)
+                    assert status < 500, (path, field, value, stream, answer)
+
+
+def call_raw(port: int, path: str, body) -> tuple[int, bytes]:
+    """The status and the body as it came (JSON, or a stream's events)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_what_the_checks_take_at_their_edges_is_answered(server, greedy):
+    """JSON nested exactly 100 levels (a tool's schema), the largest seed torch takes, 16 stop sequences of 128
+    characters (none in the answer), a null field and an empty logit_bias (each read as the field left out; both are
+    HTTP 500 in transformers' handler): answered with the greedy tokens."""
+    schema = {}
+    for _ in range(95):
+        schema = {"items": schema}  # 96 levels of objects, under the body, tools, the tool and its function: 100
+    prompt = PROMPTS[1]
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "temperature": 0, "seed": 2**64 - 1,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            "stop": ["~" * 128] * 16, "chat_template_kwargs": None, "logit_bias": {}}  # fmt: skip
+    status, answer = call(server, "/v1/chat/completions", body)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == greedy(prompt, 3), answer
 
 
 def test_a_request_naming_no_maximum_gets_the_cap(server, greedy):

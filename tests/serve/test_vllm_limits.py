@@ -5,6 +5,8 @@ on 127.0.0.1 (marker vllm; tests/serve/test_vllm.py's tiny converted Llama and i
 - a body over ``--max-body-bytes`` declared by its Content-Length: 413 in OpenAI's shape, the connection closed;
 - a body announced and never sent: 408 within ``--read-timeout``; a connection that sends nothing: closed after
   ``--idle-timeout`` (vLLM's server keeps both open as long as the client likes);
+- a JSON body nested past 100 levels or holding an integer too long to read, on a generation endpoint or any other
+  JSON one: 400 in OpenAI's shape (vLLM's own parse answers FastAPI's ``{"detail": ...}``);
 - ``max_tokens`` past ``--max-new-tokens-cap``: 400; a request naming no maximum generates at most the cap;
 - a good request, streamed and not, is answered with the offline engine's greedy tokens, and ``/hf-alibi/load``
   counts nothing in flight after it."""
@@ -63,6 +65,20 @@ def test_vllms_server_bounds_bodies_their_time_and_idle_connections(server):
         started = time.monotonic()
         assert sock.recv(100) == b""
         assert time.monotonic() - started < IDLE_TIMEOUT + 1.5
+
+
+def test_vllms_server_answers_400_for_json_its_own_parse_fails_on(server):
+    deep = b"[" * 5000 + b"]" * 5000
+    nested = b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100 + b"]" * 100 + b"}"  # 101 levels
+    digits = b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"
+    for path, body in [("/v1/completions", deep), ("/v1/completions", nested), ("/v1/chat/completions", digits),
+                       ("/tokenize", deep)]:  # fmt: skip
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 400, (path, body[:40])
+        assert_openai_error(json.loads(refused.value.read()), "invalid_json")
 
 
 def test_vllms_server_caps_new_tokens_and_answers_good_requests_as_the_offline_engine(server, folders, tmp_path):  # noqa: F811

@@ -11,9 +11,12 @@ the client likes, and queues every request it is sent. Here, as for transformers
   the rest waiting in arrival order, at most ``--max-queued-requests`` of them (then 429);
 - a request's new tokens at most ``--max-new-tokens-cap``: one that names no maximum gets the cap, one that asks more
   is refused (400);
+- a generation request's body, and any JSON one, parsed here first, as for transformers' server: 400 in OpenAI's
+  shape for what is not JSON, nests past ``MAX_JSON_DEPTH`` or holds an integer too long to read (vLLM's own parse
+  answers FastAPI's ``{"detail": ...}``);
 - ``GET /hf-alibi/load``: requests inside and waiting.
 
-What vLLM checks itself (the JSON, the fields, the prompt against ``--max-model-len``) it answers in OpenAI's shape;
+What vLLM checks itself (the fields, the prompt against ``--max-model-len``) it answers in OpenAI's shape;
 ``--max-prompt-tokens`` is transformers' server's only (vLLM's bound is ``--max-model-len``)."""
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from __future__ import annotations
 import json
 
 from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replayed
-from ..request_checks import MAXIMUM_FIELDS, BadRequest, Limits, bounded_new_tokens, limits_from_environment
+from ..request_checks import (
+    MAXIMUM_FIELDS,
+    BadRequest,
+    Limits,
+    bounded_new_tokens,
+    limits_from_environment,
+    parse_json,
+)
+
+JSON_TYPE = b"application/json"
 
 
 class VllmGuard:
@@ -46,7 +58,7 @@ class VllmGuard:
         if raw is None:  # the client left
             return
         try:
-            raw = self._capped(scope["path"], raw)
+            raw = self._capped(scope, raw)
         except BadRequest as error:
             await answer_json(send, error.status, error.payload())
             return
@@ -61,17 +73,15 @@ class VllmGuard:
         finally:
             self.admission.leave()
 
-    def _capped(self, path: str, raw: bytes) -> bytes:
-        """The body with its bound on new tokens at most the cap (written in when it names none); a body that is not
-        a JSON object is passed on as it came, for vLLM to refuse."""
-        fields = MAXIMUM_FIELDS.get(path)
-        if fields is None:
+    def _capped(self, scope, raw: bytes) -> bytes:
+        """The body with its bound on new tokens at most the cap (written in when it names none). A generation
+        request's body, and any JSON one, must pass :func:`parse_json` (:class:`BadRequest` otherwise); one that is
+        JSON but not an object is passed on as it came, for vLLM to refuse."""
+        fields = MAXIMUM_FIELDS.get(scope["path"])
+        if fields is None and not (raw and dict(scope["headers"]).get(b"content-type", b"").startswith(JSON_TYPE)):
             return raw
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return raw
-        if not isinstance(body, dict):
+        body = parse_json(raw)
+        if fields is None or not isinstance(body, dict):
             return raw
         body[fields[-1]] = bounded_new_tokens(body, fields, self.limits.new_tokens)
         return json.dumps(body).encode()
