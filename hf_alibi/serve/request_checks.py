@@ -34,7 +34,8 @@ MAX_JSON_DEPTH = 100
 # transformers matches each stop sequence against the whole vocabulary before generating (StopStringCriteria): about
 # 30 ms a sequence on SmolLM2's 49,152 tokens, so 50,000 of them would hold the server for half an hour
 MAX_STOP, MAX_STOP_CHARS = 16, 128
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.manual_seed takes (transformers seeds it with a request's seed)
+# the integers a request's fields may hold: what torch.manual_seed takes (transformers seeds it with a request's seed)
+INTEGER_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def _check_common(body: dict, tokenizer) -> None:
         "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),  # echoed in a pydantic Response
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "seed": (lambda v: _is_int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1], "an integer in [-2**63, 2**64)"),
+        "seed": (lambda v: _is_int(v) and INTEGER_RANGE[0] <= v <= INTEGER_RANGE[1], "an integer in [-2**63, 2**64)"),
         # transformers turns it into repetition_penalty = 1 + frequency_penalty, which must be positive
         "frequency_penalty": (lambda v: _is_number(v) and -1 < v <= 2, "a number in (-1, 2]"),
         "n": (lambda v: v == 1 and _is_int(v), "1 (this server answers one choice per request)"),

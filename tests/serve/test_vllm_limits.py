@@ -6,7 +6,8 @@ on 127.0.0.1 (marker vllm; tests/serve/test_vllm.py's tiny converted Llama and i
 - a body announced and never sent: 408 within ``--read-timeout``; a connection that sends nothing: closed after
   ``--idle-timeout`` (vLLM's server keeps both open as long as the client likes);
 - a JSON body nested past 100 levels or holding an integer too long to read, on a generation endpoint or any other
-  JSON one: 400 in OpenAI's shape (vLLM's own parse answers FastAPI's ``{"detail": ...}``);
+  JSON one: 400 in OpenAI's shape (vLLM's own parse answers FastAPI's ``{"detail": ...}``); a field's integer past 64
+  bits: 400 (vLLM answers ``top_k: 10**30`` with a 500);
 - ``max_tokens`` past ``--max-new-tokens-cap``: 400; a request naming no maximum generates at most the cap;
 - a good request, streamed and not, is answered with the offline engine's greedy tokens, and ``/hf-alibi/load``
   counts nothing in flight after it."""
@@ -67,7 +68,7 @@ def test_vllms_server_bounds_bodies_their_time_and_idle_connections(server):
         assert time.monotonic() - started < IDLE_TIMEOUT + 1.5
 
 
-def test_vllms_server_answers_400_for_json_its_own_parse_fails_on(server):
+def test_vllms_server_answers_400_for_what_vllm_fails_on(server, folders):  # noqa: F811
     deep = b"[" * 5000 + b"]" * 5000
     nested = b'{"model": "m", "prompt": "a", "x": ' + b"[" * 100 + b"]" * 100 + b"}"  # 101 levels
     digits = b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"
@@ -79,6 +80,11 @@ def test_vllms_server_answers_400_for_json_its_own_parse_fails_on(server):
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 400, (path, body[:40])
         assert_openai_error(json.loads(refused.value.read()), "invalid_json")
+    base, model = f"http://127.0.0.1:{server.port}/v1", str(folders["llama"])
+    with pytest.raises(urllib.error.HTTPError) as refused:  # vLLM alone: 500
+        _post(f"{base}/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "top_k": 10**30})
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == "top_k"
+    assert _post(f"{base}/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "top_k": 2**63})
 
 
 def test_vllms_server_caps_new_tokens_and_answers_good_requests_as_the_offline_engine(server, folders, tmp_path):  # noqa: F811

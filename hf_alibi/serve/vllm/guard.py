@@ -13,7 +13,8 @@ the client likes, and queues every request it is sent. Here, as for transformers
   is refused (400);
 - a generation request's body, and any JSON one, parsed here first, as for transformers' server: 400 in OpenAI's
   shape for what is not JSON, nests past ``MAX_JSON_DEPTH`` or holds an integer too long to read (vLLM's own parse
-  answers FastAPI's ``{"detail": ...}``);
+  answers FastAPI's ``{"detail": ...}``), and a generation request's integer fields within 64 bits (vLLM answers
+  ``top_k: 10**30`` with a 500);
 - ``GET /hf-alibi/load``: requests inside and waiting.
 
 What vLLM checks itself (the fields, the prompt against ``--max-model-len``) it answers in OpenAI's shape;
@@ -25,6 +26,7 @@ import json
 
 from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replayed
 from ..request_checks import (
+    INTEGER_RANGE,
     MAXIMUM_FIELDS,
     BadRequest,
     Limits,
@@ -83,5 +85,9 @@ class VllmGuard:
         body = parse_json(raw)
         if fields is None or not isinstance(body, dict):
             return raw
+        low, high = INTEGER_RANGE
+        for field, value in body.items():  # vLLM answers 500 for some (top_k: 10**30)
+            if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+                raise BadRequest(f"`{field}` must be an integer from -2**63 to 2**64 - 1 (64 bits)", param=field)
         body[fields[-1]] = bounded_new_tokens(body, fields, self.limits.new_tokens)
         return json.dumps(body).encode()
