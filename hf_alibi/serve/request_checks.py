@@ -226,7 +226,7 @@ def _check_common(body: dict, tokenizer) -> None:
         "stop": (
             _stop_strings,
             f"a non-empty string or a list of at most {MAX_STOP}, each of at most {MAX_STOP_CHARS} characters",
-        ),  # fmt: skip
+        ),
         "suffix": (lambda v: isinstance(v, str), "a string"),
         "instructions": (lambda v: isinstance(v, str), "a string"),
         "chat_template_kwargs": (lambda v: isinstance(v, dict), "a JSON object"),
