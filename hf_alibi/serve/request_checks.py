@@ -34,7 +34,8 @@ MAX_JSON_DEPTH = 100
 # transformers matches each stop sequence against the whole vocabulary before generating (StopStringCriteria): about
 # 30 ms a sequence on SmolLM2's 49,152 tokens, so 50,000 of them would hold the server for half an hour
 MAX_STOP, MAX_STOP_CHARS = 16, 128
-# the integers a request's fields may hold: what torch.manual_seed takes (transformers seeds it with a request's seed)
+# the integers a request's fields may hold (64 bits): what torch.manual_seed takes (transformers seeds it with a
+# request's seed), and what vLLM reads without a 500 (it fails on top_k: 10**30)
 INTEGER_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
@@ -162,6 +163,7 @@ def check_body(path: str, raw: bytes, tokenizer, cap: int, pinned: str, prompt_c
     }
     _check_common(body, tokenizer)
     body[MAXIMUM_FIELDS[path][-1]] = bounded_new_tokens(body, MAXIMUM_FIELDS[path], cap)
+    check_integers(body)
     if path == COMPLETIONS:
         tokens, param = _check_prompt(body, tokenizer), "prompt"
     else:
@@ -211,6 +213,14 @@ def bounded_new_tokens(body: dict, fields: tuple[str, ...], cap: int) -> int:
     return cap if asked is None else asked
 
 
+def check_integers(body: dict) -> None:
+    """Every top-level integer of a generation request within :data:`INTEGER_RANGE` (both servers' engines)."""
+    low, high = INTEGER_RANGE
+    for field, value in body.items():
+        if _is_int(value) and not low <= value <= high:
+            raise _fail(field, "an integer from -2**63 to 2**64 - 1 (64 bits)", value)
+
+
 def _check_common(body: dict, tokenizer) -> None:
     """The fields every generation endpoint reads (BaseHandler._resolve_model, _build_generation_config)."""
     checks = {
@@ -219,7 +229,7 @@ def _check_common(body: dict, tokenizer) -> None:
         "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),  # echoed in a pydantic Response
         "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
         "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "seed": (lambda v: _is_int(v) and INTEGER_RANGE[0] <= v <= INTEGER_RANGE[1], "an integer in [-2**63, 2**64)"),
+        "seed": (_is_int, "an integer"),  # within 64 bits: check_integers
         # transformers turns it into repetition_penalty = 1 + frequency_penalty, which must be positive
         "frequency_penalty": (lambda v: _is_number(v) and -1 < v <= 2, "a number in (-1, 2]"),
         "n": (lambda v: v == 1 and _is_int(v), "1 (this server answers one choice per request)"),

@@ -26,11 +26,11 @@ import json
 
 from ..guard import CLOSE, LOAD_PATH, Admission, admitted, answer_json, read_body, replayed
 from ..request_checks import (
-    INTEGER_RANGE,
     MAXIMUM_FIELDS,
     BadRequest,
     Limits,
     bounded_new_tokens,
+    check_integers,
     limits_from_environment,
     parse_json,
 )
@@ -85,9 +85,6 @@ class VllmGuard:
         body = parse_json(raw)
         if fields is None or not isinstance(body, dict):
             return raw
-        low, high = INTEGER_RANGE
-        for field, value in body.items():  # vLLM answers 500 for some (top_k: 10**30)
-            if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
-                raise BadRequest(f"`{field}` must be an integer from -2**63 to 2**64 - 1 (64 bits)", param=field)
         body[fields[-1]] = bounded_new_tokens(body, fields, self.limits.new_tokens)
+        check_integers(body)
         return json.dumps(body).encode()
