@@ -198,12 +198,16 @@ class BiasSpec:
 
     @property
     def paper_slopes(self) -> bool:
-        """Whether the slopes are the paper's for this many heads (:func:`get_slopes_list`), not fitted or set.
+        """Whether the slopes are the paper's for this many heads (:func:`get_slopes_list`), not fitted or set: equal
+        to float64 rounding, since others compute the same powers of two another way (MPT's ``2^(-h * 8 / n2)``
+        differs from the paper's ``start ** h`` in the last bit for 12 heads) and a kernel that writes the paper's
+        slopes itself (cuDNN's, in fp32) renders those exactly as well.
 
         >>> BiasSpec("causal", (0.0625, 0.00390625)).paper_slopes, BiasSpec("causal", (0.5, 0.25)).paper_slopes
         (True, False)
         """
-        return self.slopes == tuple(get_slopes_list(len(self.slopes)))
+        paper = get_slopes_list(len(self.slopes))
+        return all(math.isclose(m, p, rel_tol=1e-12, abs_tol=0.0) for m, p in zip(self.slopes, paper))
 
 
 def row_positions(
@@ -292,8 +296,9 @@ def mpt_slopes_list(n_heads: int, bias_max: float = 8.0) -> list[float]:
     """MPT's slopes (MosaicML's ``gen_slopes``, transformers' ``build_mpt_alibi_tensor``), as Python floats.
 
     ``m_h = 2^(-h * bias_max / n2)`` for ``h = 1..n2``, ``n2`` the next power of two ``>= n_heads``; for a head
-    count that is not a power of two the list is reordered ``odd positions, then even ones`` and cut to ``n_heads``
-    (not the paper's order). With ``bias_max = 8`` and a power of two, the paper's slopes.
+    count that is not a power of two the list is reordered ``odd positions, then even ones`` and cut to ``n_heads``:
+    with ``bias_max = 8`` that is the paper's interleave, so the paper's slopes for any head count (to float64
+    rounding: the last bit may differ, :attr:`BiasSpec.paper_slopes` allows it); other ``bias_max``, other slopes.
 
     >>> mpt_slopes_list(6)
     [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]

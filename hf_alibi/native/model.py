@@ -86,7 +86,7 @@ def _model_class(original: type, row: NativeArchitecture) -> type:
             if isinstance(name, str):
                 check_backend(name, what_runs(self))
                 # before the model is switched: what the kernel would refuse (the kernel table's row)
-                reason = kernel_refusal(name, next(m for m in self.modules() if isinstance(m, AlibiBias)))
+                reason = kernel_refusal(name, model_bias(self))
                 if reason is not None:
                     raise ValueError(reason)
         return super(cls, self).set_attn_implementation(attn_implementation, *args, **kwargs)
@@ -138,16 +138,29 @@ def _record_base_attentions(base: nn.Module, args: tuple, kwargs: dict) -> None:
         record_attentions(base, forward, args, kwargs)
 
 
-def rendering_backends(row: NativeArchitecture) -> tuple[str, ...]:
-    """The backends with an ALiBi path whose kernel renders ``row``'s bias (causal, no sinks, its per-key rounding):
-    asked of the kernel table's rows, the one place a kernel's abilities are written."""
-    return tuple(k.name for k in KERNELS if k.runs and refusal(k, CAUSAL, 0, row.key_rounding) is None)
+def rendering_backends(row: NativeArchitecture, bias: AlibiBias | None = None) -> tuple[str, ...]:
+    """The backends with an ALiBi path whose kernel renders ``row``'s bias (causal, no sinks, its per-key rounding),
+    or with ``bias`` (a layer's :class:`~hf_alibi.core.bias.AlibiBias` of a patched model) that layer's: its slopes
+    too (MPT's for a head count not a power of two, or an ``alibi_bias_max`` other than 8, are not the paper's, which
+    cuDNN's ALiBi alone applies). Asked of the kernel table's rows, the one place a kernel's abilities are written,
+    with what :func:`~hf_alibi.core.kernels.kernel_refusal` reads of a layer, as ``set_attn_implementation`` asks."""
+    if bias is None:
+        return tuple(k.name for k in KERNELS if k.runs and refusal(k, CAUSAL, 0, row.key_rounding) is None)
+    form = (bias.kind, bias.sinks, bias.rounding, bias.spec.paper_slopes)  # what kernel_refusal reads of it
+    return tuple(k.name for k in KERNELS if k.runs and refusal(k, *form) is None)
+
+
+def model_bias(model: nn.Module) -> AlibiBias:
+    """The first self-attention's :class:`~hf_alibi.core.bias.AlibiBias` of a patched native ``model`` (every layer's
+    has the same form, sinks, rounding and slopes)."""
+    return next(m for m in model.modules() if isinstance(m, AlibiBias))
 
 
 def what_runs(model: PreTrainedModel) -> str:
-    """What a patched native ``model`` runs with (:func:`rendering_backends` of its row: Falcon's rounded bias, no
-    flash kernel), as the end of :func:`~hf_alibi.core.names.check_backend`'s refusal."""
-    backends = rendering_backends(model._native_row)
+    """What a patched native ``model`` runs with (:func:`rendering_backends` of its row and its bias: Falcon's
+    rounded bias, no flash kernel; MPT's own slopes, no cuDNN), as the end of
+    :func:`~hf_alibi.core.names.check_backend`'s refusal."""
+    backends = rendering_backends(model._native_row, model_bias(model))
     return (
         f"this {model._native_row.model_type} model (trained with ALiBi, run on hf_alibi's attention by patch_model) "
         f"runs with attn_implementation {', '.join(repr(name) for name in backends)}"

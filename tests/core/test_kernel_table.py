@@ -188,3 +188,39 @@ def test_native_models_take_their_backends_from_the_table(monkeypatch):
     monkeypatch.setattr(native.model, "KERNELS", rounding_fa4)
     assert "flash_attention_4" in native.rendering_backends(rows["falcon"])
     assert "'flash_attention_4'" in native.what_runs(falcon)
+
+
+@pytest.mark.parametrize("heads, bias_max", [(12, 8), (6, 8), (8, 8), (8, 6), (12, 6)])
+def test_a_native_models_listing_and_its_refusals_agree_with_the_table(heads, bias_max):
+    """What a patched MPT lists (``native.rendering_backends`` of its row and bias, and ``what_runs``' message) and
+    what its ``set_attn_implementation`` refuses are one answer, derived here from the kernel table and MPT's slopes
+    written out (``2^(-h * bias_max / n2)``, odd positions first): a row that applies the paper's slopes only
+    (cuDNN's) is listed and taken exactly where those equal fairseq's (bias_max 8: any head count, 12 heads to the
+    last bit), and refused otherwise; every other running row is listed."""
+    from transformers import MptConfig, MptForCausalLM
+
+    import hf_alibi
+    from hf_alibi import native
+    from hf_alibi.native.model import model_bias
+
+    n2 = 2 ** math.ceil(math.log2(heads))
+    mpt = [2.0 ** (-h * bias_max / n2) for h in range(1, n2 + 1)]
+    mpt = (mpt[1::2] + mpt[::2])[:heads] if n2 != heads else mpt
+    paper = all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(mpt, fairseq_slopes(heads)))
+    assert paper == (bias_max == 8)
+    model = MptForCausalLM(MptConfig(d_model=8 * heads, n_heads=heads, n_layers=1, vocab_size=32, max_seq_len=16,
+                                     attn_config={"alibi_bias_max": bias_max}))  # fmt: skip
+    hf_alibi.patch_model(model)
+    expected = tuple(k.name for k in KERNELS if k.runs and (k.slopes or paper))
+    listed = native.rendering_backends(model._native_row, model_bias(model))
+    assert listed == expected and ("cudnn" in listed) == paper
+    said = native.what_runs(model)
+    assert all(f"'{name}'" in said for name in listed)
+    for k in KERNELS:
+        if k.runs and k.name not in listed:
+            assert f"'{k.name}'" not in said
+            with pytest.raises(ValueError, match="paper's slopes only"):
+                model.set_attn_implementation(k.name)
+    for name in ("eager", "sdpa", *(["cudnn"] if paper else [])):  # listed, so taken (cudnn runs on a GPU only)
+        model.set_attn_implementation(name)
+        assert model.config._attn_implementation.endswith(name)
