@@ -28,7 +28,7 @@ from ..convert.planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-e
     resolve_options,
 )
 from ..core.settings import check_pretrained_options, conversion_options
-from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs
+from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs, parse_rope
 from ..export.gguf import check_output_file
 from ..hub.checkpoints import check_output, check_source, is_hub_id, is_local
 from ..recover.settings import settings_from_flags
@@ -65,12 +65,15 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 def check_compare(args: argparse.Namespace) -> None:
     """``compare``'s inputs that need no model: each MODEL a folder (a causal LM by its config.json) or a Hub id, one
-    vocabulary size, the text, the output folder (hf_alibi.evaluate.inputs: the library asks the same again)."""
+    vocabulary size, each --rope baseline, the text, the output folder (hf_alibi.evaluate.inputs: the library asks the
+    same again)."""
     if args.text is not None and args.dataset is not None:
         raise CliError(f"{flag('text')} and {flag('dataset')} both name a text: keep one.")
     _check_file(args.text, "text")
     try:
         check_configs(local_configs(args.models))
+        for spec in args.rope:
+            parse_rope(spec)
         check_output_folder(args.out, args.overwrite)
     except CompareError as error:
         raise CliError(str(error)) from None

@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)
         elif args.command == "compare":
             from ..evaluate import compare, format_comparison
+            from .parser import COMPARE_FLAGS  # one flag a keyword of compare(), declared once
 
-            names = ("lengths", "protocols", "stride", "max_tokens", "position_tokens", "chunk", "passkey_lengths",
-                     "depths", "text", "dataset", "split", "device", "out", "overwrite")  # fmt: skip
-            print(format_comparison(compare(args.models, **{name: getattr(args, name) for name in names})))
+            keywords = {flag.name: getattr(args, flag.name) for flag in COMPARE_FLAGS}
+            print(format_comparison(compare(args.models, **keywords)))
             print(f"Wrote {Path(args.out) / 'compare.json'} and {Path(args.out) / 'compare.png'}")
         elif args.command == "serve":
             from ..serve.server import serve

@@ -131,10 +131,19 @@ COMPARE_FLAGS: tuple[Flag, ...] = (
     Flag("stride", "sliding windows' step (default: half the length)", {"type": positive_int}),
     Flag(
         "max_tokens",
-        "the most tokens each measure reads (the windows' span, the stream)",
+        "the most tokens the windows of each length cover",
         {"type": positive_int, "default": DEFAULT_MAX_TOKENS},
     ),
-    Flag("position_tokens", "by-position stream (default: 2x the longest native length; 0: off)", {"type": int}),
+    Flag(
+        "position_tokens",
+        "by-position stream (default: 2x the longest native length, or the whole text if shorter; 0: off)",
+        {"type": int},
+    ),
+    Flag(
+        "rope",
+        "baselines: the first MODEL with transformers' rope_parameters TYPE (yarn, linear, dynamic) at FACTOR",
+        {"nargs": "+", "metavar": "TYPE:FACTOR", "default": []},
+    ),
     Flag("chunk", "queries per forward along the stream (KV cache)", {"type": positive_int, "default": 1024}),
     Flag(
         "passkey_lengths",

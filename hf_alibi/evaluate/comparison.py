@@ -5,12 +5,15 @@ For every model, on the same token stream:
 
 - perplexity at each length (:func:`~hf_alibi.evaluate.lengths.evaluate_lengths`: ``nonoverlapping`` by default,
   ``sliding`` too on request) over the first ``max_tokens`` tokens;
-- perplexity by position along one stream of ``position_tokens`` (default 2x the longest native length; no longer
-  than ``max_tokens``), through the KV cache in chunks (:mod:`~hf_alibi.evaluate.stream`);
+- perplexity by position along one stream of ``position_tokens`` (default 2x the longest native length, or the whole
+  text where it is shorter: the positions past the native length are the question compare answers), through the KV
+  cache in chunks (:mod:`~hf_alibi.evaluate.stream`), so its memory is one chunk's queries against the cache;
 - passkey retrieval at ``passkey_lengths`` and ``depths`` (:mod:`~hf_alibi.evaluate.passkey`).
 
 Every input is checked before any model loads (:mod:`~hf_alibi.evaluate.inputs`: a :class:`CompareError` and nothing
 written); the models load one at a time. A length past a model's learned positions is not run: its entry says why.
+``rope`` adds the baselines a conversion is weighed against: the first model (a rotary original) run with
+transformers' ``rope_parameters`` at a factor (``"yarn:2"``: YaRN x2, no training), each one more row.
 The results are one JSON-ready dict (``out``: written as compare.json, with the plot compare.png).
 
 Example:
@@ -45,6 +48,8 @@ from .inputs import (
     check_lengths,
     check_output_folder,
     differing_tokenizers,
+    parse_rope,
+    rope_label,
     tokenizer_refusal,
 )
 from .lengths import PROTOCOLS, evaluate_lengths
@@ -173,10 +178,12 @@ def compare(
     out: str | os.PathLike | None = None,
     overwrite: bool = False,
     batch_tokens: int = 4096,
+    rope: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Measure ``models`` (folders or Hub ids; the first is the baseline of the ratios) on the same tokens; see the
-    module docstring. ``max_tokens`` bounds the tokens each measure reads: the windows' span, and the stream (its
-    ``position_tokens``, default 2x the longest native length, stop there). ``position_tokens`` 0 and
+    module docstring. ``max_tokens`` bounds the windows' span; the stream is ``position_tokens`` long (default 2x the
+    longest native length, or the text's length where that is shorter). ``rope``: ``"TYPE:FACTOR"`` baselines, the
+    first model with transformers' rope_parameters of that type and factor (``"yarn:2"``). ``position_tokens`` 0 and
     ``passkey_lengths=()`` leave those out; ``passkey_lengths`` None: the longest of ``lengths``. ``device``:
     ``cuda`` when there is one (bf16 there), else ``cpu`` (fp32). ``out``:
     a folder that receives compare.json and compare.png. Returns the JSON's dict.
@@ -197,6 +204,9 @@ def compare(
         raise CompareError(str(error)) from None
     configs = {name: source.config for name, source in sources.items()}
     check_configs(configs)
+    ropes = [parse_rope(spec) for spec in rope]
+    if ropes:
+        _check_rope_baseline(models[0], configs[models[0]])
     for name, config in configs.items():
         _check_causal(name, config)
     if out is not None:
@@ -205,12 +215,13 @@ def compare(
     facts = model_lengths(configs, {n: s.name for n, s in sources.items() if s.local})
     natives = [f["native"] for f in facts.values() if f["native"]]
     longest_native = max(natives) if natives else max(lengths, default=1024)
-    wanted = 2 * longest_native if position_tokens is None else int(position_tokens)
-    stream = min(wanted, max_tokens)
     tokenizer.model_max_length = int(1e30)  # one long stream: no warning that it is longer than the model's inputs
     content = read_text(text, dataset, split)
     ids = torch.tensor(tokenizer(content)["input_ids"])
     source = str(text) if text is not None else (dataset or EMBEDDED)
+    wanted = 2 * longest_native if position_tokens is None else int(position_tokens)
+    # the default stream reads as far as the text goes; one asked for by length must fit (check_lengths says so)
+    stream = min(wanted, ids.numel() - 1) if position_tokens is None else wanted
 
     def encode(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False)["input_ids"]
@@ -237,14 +248,18 @@ def compare(
         "dtype": str(dtype).removeprefix("torch."),
         "models": [],
     }
-    for i, name in enumerate(models):
-        print(f"compare: model {i + 1}/{len(models)}: {name}", file=sys.stderr, flush=True)
-        model = _load(name, device, dtype)
+    # (name, label, rope): each model as it is, then the first one with each --rope baseline
+    runs = [(name, _label(name, models), None) for name in models]
+    runs[1:1] = [(models[0], f"{runs[0][1]} {rope_label(*r)}", r) for r in ropes]
+    for i, (name, label, stretch) in enumerate(runs):
+        print(f"compare: model {i + 1}/{len(runs)}: {label}", file=sys.stderr, flush=True)
+        model = _load(name, device, dtype, stretch, facts[name]["native"])
         row = measure_model(
             model, span, ids[: stream + 1] if stream else None, facts[name], lengths, protocols, stride, batch_tokens,
             chunk, bounds, passkey_lengths, depths, encode, tokenizer.decode,
         )  # fmt: skip
-        results["models"].append({"name": name, "label": _label(name, models), **facts[name], **row})
+        extra = {} if stretch is None else {"rope": {"rope_type": stretch[0], "factor": stretch[1]}}
+        results["models"].append({"name": name, "label": label, **facts[name], **extra, **row})
         del model
         gc.collect()
     if out is not None:
@@ -254,11 +269,40 @@ def compare(
     return results
 
 
-def _load(name: str, device, dtype):
-    from transformers import AutoModelForCausalLM
+def _check_rope_baseline(name: str, config: dict) -> None:
+    if is_alibi(config) or rope_theta(config) is None or not original_length(config):
+        raise CompareError(
+            f"--rope runs the first MODEL with other rope_parameters, but {name!r} is not a rotary original with a "
+            "stated length (rope_theta, max_position_embeddings): put the original rotary model first."
+        )
 
+
+def rope_theta(config) -> float | None:
+    """A rotary config's base (``rope_parameters["rope_theta"]``, or ``rope_theta`` of older configs), else None."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    theta = (get("rope_parameters") or {}).get("rope_theta", get("rope_theta"))
+    return None if theta is None else float(theta)
+
+
+def rope_overrides(config, kind: str, factor: float, native: int) -> dict[str, Any]:
+    """``from_pretrained`` keywords that run a rotary original with transformers' rope type ``kind`` at ``factor``
+    from its ``native`` length (YaRN: its by-parts interpolation and temperature, no training).
+
+    >>> rope_overrides({"rope_theta": 1e5}, "yarn", 2.0, 8192)["max_position_embeddings"]
+    16384
+    """
+    parameters = {"rope_type": kind, "factor": factor, "rope_theta": rope_theta(config)}
+    if kind == "yarn":
+        parameters["original_max_position_embeddings"] = native
+    return {"rope_parameters": parameters, "max_position_embeddings": int(native * factor)}
+
+
+def _load(name: str, device, dtype, rope: tuple[str, float] | None = None, native: int | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {} if rope is None else rope_overrides(AutoConfig.from_pretrained(name), *rope, native)
     # hf_alibi/__init__.py (run before this module) registered the ALiBi types: converted folders load as they are
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **extra)
     return model.to(device).eval()
 
 
@@ -309,4 +353,7 @@ def _label(name: str, models: Sequence[str]) -> str:
     return short if len(same) == 1 else name
 
 
-__all__ = ["compare", "default_device", "format_comparison", "measure_model", "model_lengths", "read_text"]
+__all__ = [
+    "compare", "default_device", "format_comparison", "measure_model", "model_lengths", "read_text", "rope_overrides",
+    "rope_theta",
+]  # fmt: skip

@@ -30,6 +30,34 @@ class CompareError(ValueError):
     """A bad input to ``compare``: one line saying what to do; raised before any model loads, nothing written."""
 
 
+# transformers' rope types that stretch a rotary model past its length by a factor, no training (``--rope``)
+ROPE_TYPES = ("yarn", "linear", "dynamic")
+
+
+def parse_rope(spec: str) -> tuple[str, float]:
+    """``--rope TYPE:FACTOR`` (``yarn:2``) as ``(type, factor)``: the first model, run with transformers'
+    ``rope_parameters`` of that type and factor, is one more row of the comparison.
+
+    >>> parse_rope("yarn:2")
+    ('yarn', 2.0)
+    """
+    kind, _, factor = str(spec).partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = 0.0
+    if kind not in ROPE_TYPES or not 1.0 < value < float("inf"):
+        raise CompareError(
+            f"--rope {spec!r}: give TYPE:FACTOR with TYPE one of {', '.join(ROPE_TYPES)} and FACTOR > 1, e.g. yarn:2."
+        )
+    return kind, value
+
+
+def rope_label(kind: str, factor: float) -> str:
+    """How a ``--rope`` row is named after its model: ``"yarn x2"``."""
+    return f"{kind} x{factor:g}"
+
+
 def is_causal_lm(config: Mapping[str, Any]) -> bool | None:
     """Whether config.json's ``architectures`` name a causal LM head; None when it names none (the library then asks
     transformers' causal LM mapping by ``model_type``)."""
@@ -95,7 +123,8 @@ def check_lengths(
     prompt_tokens: int,
     source: str,
 ) -> None:
-    """The text holds enough tokens for the longest length and the stream, and each measure fits its bounds."""
+    """The text holds enough tokens for the longest length and the stream (the stream's length as asked: compare
+    shortens its default one to the text first), and each measure fits its bounds."""
     for length in lengths:
         if length < 2:
             raise CompareError(f"--lengths {length}: a window needs at least 2 tokens; pass lengths >= 2.")

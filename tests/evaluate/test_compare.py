@@ -126,6 +126,45 @@ def test_compare_figures_equal_references_written_here(pair, run, capsys):
     _table_says_what_the_json_says(table, results)
 
 
+def test_rope_baselines_are_rows_of_the_same_run_and_the_stream_passes_the_native_length(tmp_path):
+    """``rope=["yarn:2", "linear:2"]`` (``--rope``) adds the original run with transformers' rope_parameters of each
+    type at that factor, right after it, named for it: its figures equal that model's, loaded here with the
+    parameters written out. The default stream reads to 2x the native length whatever ``max_tokens`` bounds the
+    windows at (compare's question is what happens past the native length)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=NATIVE,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500.0})  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    for name in ("llama", "llama-alibi"):
+        if name == "llama-alibi":
+            hf_alibi.patch_model(model, preset="pretrained")
+        model.save_pretrained(tmp_path / name)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+    (tmp_path / "text.txt").write_text(TEXT)
+    folders = [str(tmp_path / "llama"), str(tmp_path / "llama-alibi")]
+    results = compare(folders, lengths=[16], max_tokens=16, passkey_lengths=(), rope=["yarn:2", "linear:2"],
+                      text=tmp_path / "text.txt")  # fmt: skip
+    assert [m["label"] for m in results["models"]] == ["llama", "llama yarn x2", "llama linear x2", "llama-alibi"]
+    assert [m.get("rope") for m in results["models"]] == [
+        None, {"rope_type": "yarn", "factor": 2.0}, {"rope_type": "linear", "factor": 2.0}, None
+    ]  # fmt: skip
+    assert results["position"]["tokens"] == 2 * NATIVE and results["position"]["bounds"][-1] == 2 * NATIVE
+    stream = _ids()[: 2 * NATIVE + 1]
+    for row, parameters in zip(results["models"][1:3], (
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": NATIVE, "rope_theta": 500.0},
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    )):  # fmt: skip
+        stretched = LlamaForCausalLM.from_pretrained(folders[0], rope_parameters=parameters,
+                                                     max_position_embeddings=2 * NATIVE).eval()  # fmt: skip
+        nll = _nll_by_hand(stretched, stream[:-1], stream[1:])
+        bounds = results["position"]["bounds"]
+        expected = {f"{a}-{b}": math.exp(nll[a:b].mean().item()) for a, b in zip(bounds, bounds[1:])}
+        assert row["by_position"] == pytest.approx(expected, rel=1e-5)
+    assert results["models"][1]["by_position"] != results["models"][2]["by_position"]
+    assert "yarn x2" in format_comparison(results)
+
+
 def _table_says_what_the_json_says(table: str, results: dict) -> None:
     lines = {line.split("  ")[0].strip(): line for line in table.splitlines() if line.startswith(("ppl", "passkey"))}
     first, second = results["models"]
@@ -276,7 +315,13 @@ def test_every_bad_input_is_one_line_before_any_model_loads_and_writes_nothing(p
         ([orig, str(bert)], "is not a causal LM (config.json: BertForMaskedLM)"),
         ([orig, str(wide)], "vocabularies differ (vocab_size:"),
         ([orig, str(other)], f"the tokenizers of {str(other)!r} differ from {orig!r}'s"),
-        ([orig, conv, "--text", str(short)], f"the text ({short}) has 55 tokens; the position stream of 64 tokens"),
+        (
+            [orig, conv, "--text", str(short), "--position-tokens", "64"],
+            f"the text ({short}) has 55 tokens; the position stream of 64 tokens",
+        ),
+        ([orig, conv, "--rope", "yarn:1"], "--rope 'yarn:1': give TYPE:FACTOR with TYPE one of yarn, linear, dynamic"),
+        ([orig, conv, "--rope", "ntk"], "--rope 'ntk': give TYPE:FACTOR"),
+        ([orig, conv, "--rope", "yarn:2"], f"but {orig!r} is not a rotary original"),
         ([orig, conv, "--lengths", "64", "--max-tokens", "32"], "--lengths 64 is longer than --max-tokens 32"),
         ([orig, conv, "--text", str(tmp_path / "none.txt")], "none.txt' is not a file"),
         ([orig, conv, "--out", str(taken)], "already holds compare.json: pass --overwrite"),
