@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..core.names import ENCODER_VARIANTS
-from ..core.settings import conversion_options, flag_spellings, presets
+from ..core.settings import FIT_TOKENS, conversion_options, flag_spellings, presets
 from ..core.version import __version__
 from ..evaluate.inputs import DEFAULT_LENGTHS, DEFAULT_MAX_TOKENS, DEPTHS, PLOT_FILE, RESULTS_FILE
 from ..export.gguf import OUTTYPES, GGUFExportError
@@ -114,7 +114,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     ),
     Flag("fit_text", f"{flag('fit_slopes')}: the text to fit on", {"metavar": "TEXT_FILE"}),
     Flag("fit_scale", f"{flag('fit_slopes')}: C in C / mean distance (default: fit_slopes')", {"type": float}),
-    Flag("fit_tokens", f"{flag('fit_slopes')}: tokens of the text used", {"type": int, "default": 1024}),
+    Flag("fit_tokens", f"{flag('fit_slopes')}: tokens of the text used", {"type": int, "default": FIT_TOKENS}),
     Flag("overwrite", "replace OUT if it exists", _SWITCH),
     Flag("push_to_hub", "then upload OUT to this Hub repo", {"metavar": "REPO_ID"}),
     Flag("private", "create the Hub repo private", _SWITCH),

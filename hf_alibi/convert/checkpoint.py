@@ -11,11 +11,12 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from ..core.settings import FIT_TOKENS
 from ..hub.checkpoints import CheckpointError, Source, check_output, open_source, staged_output
 from ..hub.folder import write_converted
 from .fit import fit_slopes
 from .patch import ConversionPlan, patch_model, plan_conversion, takes_options
-from .planning import check_fit_slopes
+from .planning import check_fit_slopes, original_length
 
 
 @takes_options
@@ -27,7 +28,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     fit_file: str | os.PathLike | None = None,
     fit_scale: float | None = None,
-    fit_tokens: int = 1024,
+    fit_tokens: int = FIT_TOKENS,
     preset: str | None = None,
     **options,
 ) -> Path:
@@ -39,8 +40,9 @@ def convert_checkpoint(
     one stays until the new one is complete).
     It holds SRC's companion files (:func:`hf_alibi.hub.write_converted`).
 
-    ``fit_file``: a text file; the slopes are fitted per layer and head on its first ``fit_tokens`` tokens by
-    the original (:func:`hf_alibi.fit_slopes`, ``scale`` ``fit_scale``) and given to ``patch_model`` as ``slopes``.
+    ``fit_file``: a text file; the slopes are fitted per layer and head on its first ``fit_tokens`` tokens (at most
+    the original length) by the original (:func:`hf_alibi.fit_slopes`, ``scale`` ``fit_scale``) and given to
+    ``patch_model`` as ``slopes``.
 
     >>> convert_checkpoint("my-gpt2", "gpt2-alibi", preset="pretrained")  # doctest: +SKIP
     """
@@ -71,7 +73,8 @@ def convert_checkpoint(
                         f"SRC {src!r} has tokenizer files that could not be loaded: {error}"
                     ) from error
         if text is not None:
-            ids = tokenizer(text, truncation=True, max_length=fit_tokens, return_tensors="pt")["input_ids"]
+            longest = min(fit_tokens, original_length(model.config) or fit_tokens)  # fitted inside its length
+            ids = tokenizer(text, truncation=True, max_length=longest, return_tensors="pt")["input_ids"]
             try:
                 scale = {} if fit_scale is None else {"scale": fit_scale}
                 plan = plan.with_slopes(fit_slopes(model, ids, sinks=plan.settings.sinks, **scale))

@@ -41,7 +41,8 @@ def fit_slopes(
             untouched. Each layer's attention map is reduced as the layer runs: the memory is one layer's
             ``heads x T^2`` map (and eager attention's own), not the model's.
         input_ids: ``(T,)`` or ``(B, T)`` token ids of the user's text, no padding; ``T`` at most the model's
-            trained length (a few hundred to a thousand tokens is enough).
+            trained length (a thousand tokens fit it inside that length; ``FIT_TOKENS``, 4096, read further past it
+            on SmolLM2, docs/pretrained.md).
         scale: the slope of a head whose mean distance is ``D`` tokens is ``scale / max(D, 1)``.
         sinks: the first keys of each sequence left out of the distances (use the ``sinks`` you convert with).
         skip: queries before this position are left out (decoders: their short past shortens every distance);

@@ -68,6 +68,10 @@ def option(
 
 
 FITTED = "fit_slopes"  # AlibiSettings.slopes_source of slopes that fit_slopes measured
+# the tokens fit_slopes measures the original's attention on where none are given (hf-alibi convert --fit-tokens,
+# recover; at most the original length): SmolLM2-135M past its 8k read better with slopes fitted on 4096 tokens than
+# on 1024 (docs/pretrained.md); eager attention keeps one layer's heads x T^2 map at a time
+FIT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class AlibiSettings:
         "are removed: cos=1, sin=0). None: remove the rotary embedding entirely.",
         flag_help="rotary: keep wavelengths <= X",
         parse=float,
-        presets={"pretrained": TimesOriginalLength(8.0)},
+        presets={"pretrained": TimesOriginalLength(1024.0)},  # every frequency of a usual model (2 pi theta)
         applies=lambda row, config: row.strategy == "rotary",
         refusal="rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position path. "
         "Leave it None.",
@@ -145,6 +149,36 @@ class AlibiSettings:
             else "rotary frequencies: "
             + ("removed" if s.rotary_max_wavelength is None else f"kept up to wavelength {s.rotary_max_wavelength:g}")
         ),
+    )
+    rotary_knee: float | None = option(
+        None,
+        "Rotary rows only: the position (tokens; the original length in the preset) past which the kept rotary "
+        "frequencies of wavelength longer than it, which never completed a turn in training, turn rotary_stretch "
+        "times slower (inside it nothing changes). None: they turn on as trained.",
+        flag_help="rotary: slow the long wavelengths past position X",
+        parse=float,
+        presets={"pretrained": TimesOriginalLength(1.0)},
+        applies=lambda row, config: row.strategy == "rotary",
+        refusal="rotary_knee applies to rotary models only; {model_type} has a {strategy!r} position path. "
+        "Leave it None.",
+        describe=lambda s: (
+            None
+            if s.rotary_knee is None or s.rotary_stretch == 1.0
+            else f"rotary wavelengths > {s.rotary_knee:g} turn {s.rotary_stretch:g}x slower past position "
+            f"{s.rotary_knee:g}"
+        ),
+    )
+    rotary_stretch: float = option(
+        1.0,
+        "Rotary rows only: how many times slower the long-wavelength rotary frequencies turn past rotary_knee "
+        "(1.0: not slowed).",
+        flag_help="rotary: how much slower past the knee",
+        parse=float,
+        presets={"pretrained": 2.0},
+        applies=lambda row, config: row.strategy == "rotary",
+        refusal="rotary_stretch applies to rotary models only; {model_type} has a {strategy!r} position path. "
+        "Leave it 1.",
+        describe=lambda s: None,  # said with rotary_knee
     )
     position_mean: int = option(
         0,
@@ -198,7 +232,7 @@ class AlibiSettings:
             )
         check_pretrained_options(
             self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
-            self.position_mean, self.table_max_wavelength, self.table_rows,
+            self.position_mean, self.table_max_wavelength, self.table_rows, self.rotary_knee, self.rotary_stretch,
         )  # fmt: skip
         if self.slopes_source not in (None, FITTED) or (self.slopes_source and self.slopes is None):
             raise ValueError(f"slopes_source must be None or {FITTED!r} (with slopes), got {self.slopes_source!r}.")
@@ -310,6 +344,8 @@ def check_pretrained_options(
     position_mean: int = 0,
     table_max_wavelength: float | None = None,
     table_rows: int = 0,
+    rotary_knee: float | None = None,
+    rotary_stretch: float = 1.0,
 ) -> None:
     """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
 
@@ -359,11 +395,21 @@ def check_pretrained_options(
                 "rotary_max_wavelength must be a number > 0 (a wavelength in tokens) or None, "
                 f"got {rotary_max_wavelength!r}."
             )
+    if rotary_knee is not None and (not _is_number(rotary_knee) or rotary_knee < 1):
+        raise ValueError(f"rotary_knee must be a number >= 1 (a position in tokens) or None, got {rotary_knee!r}.")
+    if not _is_number(rotary_stretch) or rotary_stretch < 1:
+        raise ValueError(f"rotary_stretch must be a finite number >= 1 (1: not slowed), got {rotary_stretch!r}.")
+    if rotary_stretch != 1.0 and (rotary_knee is None or rotary_max_wavelength is None):
+        raise ValueError(
+            "rotary_stretch slows kept rotary frequencies past rotary_knee: give rotary_knee (e.g. the original "
+            "length) and keep the rotary frequencies (rotary_max_wavelength), or leave rotary_stretch 1."
+        )
     if architecture is not None:  # where each option applies: its declaration's applies / refusal
         row = type("Row", (), {"bidirectional": False, **architecture})  # the row's fields as attributes
         given = dict(
             sinks=sinks, slope_scale=slope_scale, slopes=slopes, position_mean=position_mean,
             rotary_max_wavelength=rotary_max_wavelength, table_max_wavelength=table_max_wavelength,
+            rotary_knee=rotary_knee, rotary_stretch=rotary_stretch,
         )  # fmt: skip
         for option in conversion_options():
             applies, refusal = option.metadata["applies"], option.metadata["refusal"]

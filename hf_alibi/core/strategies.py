@@ -104,7 +104,7 @@ class RetainedRotary(nn.Module):
     A rotary dimension of frequency ``w`` (radians per token) has wavelength ``2 pi / w``. Those of
     wavelength ``<= max_wavelength`` keep the original's ``cos`` and ``sin``; the others answer the
     original's value at position 0 (``cos = 1``, ``sin = 0``; times the rope type's attention scaling
-    where it has one), i.e. no rotation. Rotary is relative, so which absolute positions the model
+    where it has one), i.e. no rotation. Without a knee, rotary is relative, so which absolute positions the model
     passes (hf_alibi drops ``position_ids``; the model counts from its cache) changes nothing.
 
     Which dimensions are kept is read from the original's own answer at positions 0 and 1 (the
@@ -113,9 +113,17 @@ class RetainedRotary(nn.Module):
     GPT-NeoX) and depends on the config (``inv_freq`` is a non-persistent buffer), not on weights. A
     ``dynamic`` rope type keeps the frequencies it was trained at (no per-length rescaling). ``kept``
     reports the last probe's mask (tests). The original is kept as ``original``.
+
+    With a ``knee`` (``rotary_knee``, the original length in the preset) and ``stretch > 1``, the kept dimensions of
+    wavelength longer than the knee, which never completed a turn in training, read position ``K + (p - K) /
+    stretch`` past ``K = knee - 1``: inside the knee every angle is the original's, past it those dimensions turn
+    ``stretch`` times slower, so they stay near the angles training saw. That is a function of the absolute
+    position, which every path hands this module: the cache's count in generation (a left-padded row counts its
+    padding: its knee comes that many tokens early), a packed row's per-document ids, continuous batching's and
+    vLLM's per-request positions.
     """
 
-    def __init__(self, original: nn.Module, max_wavelength: float):
+    def __init__(self, original: nn.Module, max_wavelength: float, knee: float | None = None, stretch: float = 1.0):
         super().__init__()
         if "dynamic" in str(getattr(original, "rope_type", "")):
             # Dynamic NTK scaling stretches RoPE past its trained length (ALiBi does that now) and reads the
@@ -124,6 +132,9 @@ class RetainedRotary(nn.Module):
             original.rope_type = "default"
         self.original = original
         self.max_wavelength = float(max_wavelength)
+        # past ``knee`` the kept frequencies of longer wavelength turn ``stretch`` times slower (None: as trained)
+        self.knee = None if knee is None or stretch == 1 else float(knee)
+        self.stretch = float(stretch)
         self._probes: dict = {}
         self.kept: torch.Tensor | None = None
 
@@ -140,19 +151,29 @@ class RetainedRotary(nn.Module):
             cos, sin = cos.float().reshape(-1, 2, cos.shape[-1])[0], sin.float().reshape(-1, 2, sin.shape[-1])[0]
             frequency = torch.atan2(sin[1], cos[1])  # (width,), radians per token
             kept = frequency.abs() >= 2 * math.pi / self.max_wavelength  # wavelength <= the bound
-            probe = (kept, cos[0].to(x.dtype), sin[0].to(x.dtype))  # removed dims: position 0's value
+            slowed = kept & (frequency.abs() < 2 * math.pi / self.knee) if self.knee else None  # wavelength > knee
+            probe = (kept, cos[0].to(x.dtype), sin[0].to(x.dtype), slowed)  # removed dims: position 0's value
             if key is not None:
                 self._probes[key] = probe
         self.kept = probe[0]
         return probe
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        kept, cos0, sin0 = self._probe(x, args, kwargs)
+        kept, cos0, sin0, slowed = self._probe(x, args, kwargs)
         cos, sin = self.original(x, position_ids, *args, **kwargs)  # (B, L, width)
+        if slowed is not None:
+            # a position p past the knee K (the last trained position, knee - 1) reads K + (p - K) / stretch for
+            # the slowed dimensions: the same angles inside, angles close to training's past it (every path that
+            # gives this module positions, the cache's count, a packed row's or a batch's own, gets the same)
+            last = self.knee - 1
+            stretched = torch.where(position_ids > last, last + (position_ids - last) / self.stretch, position_ids)
+            cos_s, sin_s = self.original(x, stretched.float(), *args, **kwargs)
+            cos, sin = torch.where(slowed, cos_s, cos), torch.where(slowed, sin_s, sin)
         return torch.where(kept, cos, cos0.to(cos.dtype)), torch.where(kept, sin, sin0.to(sin.dtype))
 
     def extra_repr(self) -> str:
-        return f"max_wavelength={self.max_wavelength}"
+        knee = "" if self.knee is None else f", knee={self.knee}, stretch={self.stretch}"
+        return f"max_wavelength={self.max_wavelength}{knee}"
 
 
 class RetainedTable(nn.Module):
@@ -283,6 +304,7 @@ def rotary(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
     """A rotary embedding made once per forward (``base.rotary_emb``): the identity rotation instead, or with
     ``settings.rotary_max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""
     max_wavelength = getattr(settings, "rotary_max_wavelength", None)
+    knee, stretch = getattr(settings, "rotary_knee", None), getattr(settings, "rotary_stretch", 1.0)
     for path in paths:
         for parent, name, module in find_modules(base, path):
             if isinstance(module, (IdentityRotary, RetainedRotary)):
@@ -290,7 +312,9 @@ def rotary(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
             setattr(
                 parent,
                 name,
-                IdentityRotary(module) if max_wavelength is None else RetainedRotary(module, max_wavelength),
+                IdentityRotary(module)
+                if max_wavelength is None
+                else RetainedRotary(module, max_wavelength, knee, stretch),
             )
 
 

@@ -18,6 +18,7 @@ from ..convert.patch import ConversionPlan, patch_model, plan_conversion
 from ..convert.positions import original_length, position_table
 from ..core.config import get_settings
 from ..core.names import is_alibi
+from ..core.settings import FIT_TOKENS
 from ..hub.compat import name_or_path
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
@@ -260,9 +261,6 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
     if not settings.progress:
         trainer.remove_callback(PrinterCallback)
     return trainer, scratch
-
-
-FIT_TOKENS = 1024  # the most tokens the teacher's attention maps are taken on (eager attention: heads x T^2 per layer)
 
 
 def _fitted_slopes(teacher, stream, frame, preset, fit, plan: ConversionPlan) -> list[list[float]] | None:

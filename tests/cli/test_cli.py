@@ -120,7 +120,10 @@ def test_model_card_says_what_the_settings_mean_for_training(preset):
         assert "must be fine-tuned (or recovered" in card and "keep part of what" not in card
     else:
         assert "must be fine-tuned" not in card and "runs without training" in card
-        kept = "(sinks: 1; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 128)"
+        kept = (
+            "(sinks: 1; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 16384; rotary "
+            "wavelengths > 16 turn 2x slower past position 16)"
+        )
         assert f"These settings keep part of what the pretrained weights learned about order {kept}" in card
     recovered = model_card(model.config, recovery="\n## Recovery\n\nsteps\n")
     assert "must be fine-tuned" not in recovered and "was recovered after conversion" in recovered

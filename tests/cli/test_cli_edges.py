@@ -293,20 +293,25 @@ def test_preset_options_reach_patch_model_and_info_shows_them(tmp_path, capsys):
     code, _, err = run_cli("convert", src, out, "--preset", "pretrained", "--sinks", "2", capsys=capsys)
     assert code == 0, err
     settings = json.loads((out / "config.json").read_text())["alibi"]
-    # PRESETS["pretrained"]: sinks 1 (here 2), rotary kept up to 8 x the original length (16), slopes x 0.01
-    assert (settings["sinks"], settings["rotary_max_wavelength"], settings["slope_scale"]) == (2, 128.0, 0.01)
+    # PRESETS["pretrained"]: sinks 1 (here 2), rotary kept up to 1024 x the original length (16), slopes x 0.01
+    assert (settings["sinks"], settings["rotary_max_wavelength"], settings["slope_scale"]) == (2, 16384.0, 0.01)
     assert settings["slopes"] is None
     code, stdout, _ = run_cli("info", out, "--json", capsys=capsys)
     info = json.loads(stdout)
     assert (info["sinks"], info["rotary_max_wavelength"], info["slope_scale"], info["slopes_given"]) == (
         2,
-        128.0,
+        16384.0,
         0.01,
         None,
     )
     assert info["slopes"] == pytest.approx([0.01 * 2 ** (-8 * (h + 1) / 4) for h in range(4)])  # the paper's x 0.01
     code, stdout, _ = run_cli("info", out, capsys=capsys)
-    assert "  sinks: 2; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 128\n" in stdout
+    stretch = settings["rotary_stretch"]  # PRESETS["pretrained"]'s, past the knee at the original length (16)
+    assert settings["rotary_knee"] == 16.0 and stretch > 1
+    assert (
+        f"  sinks: 2; slopes: the paper's x 0.01; rotary frequencies: kept up to wavelength 16384; rotary wavelengths "
+        f"> 16 turn {stretch:g}x slower past position 16\n"
+    ) in stdout
 
     out2 = tmp_path / "alibi2"
     code, _, err = run_cli("convert", src, out2, "--slopes", "0.5,0.25,0.125,1", "--rotary-max-wavelength", "8",

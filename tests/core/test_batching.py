@@ -132,7 +132,7 @@ def test_log_probabilities_match_the_explicit_bias_reference(name, backend):
         assert_logprobs_match(model, lambda ids: rotary_reference_logits(case.make, model, ids))
 
 
-THETA, WAVELENGTH = 10000.0, 128.0  # the preset's rotary bound: 8 x the original 16 positions
+THETA, WAVELENGTH = 10000.0, 16384.0  # the preset's rotary bound: 1024 x the original 16 positions (all kept)
 
 
 def llama(backend: str):
@@ -151,8 +151,9 @@ def llama(backend: str):
 
 @pytest.mark.parametrize("backend", PAGED)
 def test_the_pretrained_preset_matches_the_reference(backend):
-    """One sink, slopes x 0.01 and the short rotary wavelengths kept (each request's own positions reach the
-    retained rotary): log probabilities against a loop-built bias, tokens against generate() alone."""
+    """One sink, slopes x 0.01, the short rotary wavelengths kept and the long ones slowed past the original length
+    (each request's own positions reach the retained rotary): log probabilities against a loop-built bias, tokens
+    against generate() alone."""
     model = hf_alibi.patch_model(llama(backend), preset="pretrained")
     settings = hf_alibi.get_settings(model.config)
     assert settings.sinks == 1 and settings.rotary_max_wavelength == WAVELENGTH
@@ -161,7 +162,8 @@ def test_the_pretrained_preset_matches_the_reference(backend):
     def reference(ids):
         bias = sink_bias("causal", slopes, ids.shape[1], settings.sinks, [0])
         make = lambda **kw: llama(kw["attn_implementation"])  # noqa: E731
-        return retained_rotary_reference_logits(make, model, ids, None, bias, WAVELENGTH, THETA)
+        knee, stretch = settings.rotary_knee, settings.rotary_stretch  # the original length, past which it slows
+        return retained_rotary_reference_logits(make, model, ids, None, bias, WAVELENGTH, THETA, knee, stretch)
 
     assert_logprobs_match(model, reference)
     assert [o.generated_tokens for o in batched(model, prompts(seed=4))] == alone(model, prompts(seed=4))

@@ -24,7 +24,9 @@ VALUES = {
     "sinks": 2,
     "slope_scale": 0.5,
     "slopes": "fitted",
-    "rotary_max_wavelength": 8.0,
+    "rotary_max_wavelength": 100.0,  # keeps a frequency of wavelength > the knee (63 tokens for theta 1e4)
+    "rotary_knee": 12.0,  # inside the inputs' 40 positions: the slowed frequencies are traced past it
+    "rotary_stretch": 4.0,
     "position_mean": 4,
     "table_max_wavelength": 8.0,
 }

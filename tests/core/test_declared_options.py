@@ -26,7 +26,8 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
 
     options = conversion_options()
     assert [f.name for f in options] == [
-        "sinks", "slope_scale", "slopes", "rotary_max_wavelength", "position_mean", "table_max_wavelength",
+        "sinks", "slope_scale", "slopes", "rotary_max_wavelength", "rotary_knee", "rotary_stretch", "position_mean",
+        "table_max_wavelength",
     ]  # fmt: skip
     samples = {int: "3", float: "3.5", slope_list: "0.5,0.25,0.125,1"}
     commands = ["convert SRC OUT", "recover SRC OUT --train-file F"]
@@ -69,7 +70,7 @@ def test_preset_lengths_are_the_original_length_not_the_table_size():
     roberta = RobertaConfig(max_position_embeddings=514, pad_token_id=1, num_attention_heads=4, hidden_size=32)
     assert settings_for(roberta, preset="pretrained").table_max_wavelength == 512.0
     llama = LlamaConfig(max_position_embeddings=2048, num_attention_heads=4, hidden_size=32)
-    assert settings_for(llama, preset="pretrained").rotary_max_wavelength == 8 * 2048.0
+    assert settings_for(llama, preset="pretrained").rotary_max_wavelength == 1024 * 2048.0
 
 
 def test_preset_paper_is_the_papers_method_everywhere():

@@ -204,9 +204,9 @@ def test_settings_are_saved_and_reload(tmp_path):
     model = hf_alibi.patch_model(make("llama"), preset="pretrained", slope_scale=0.25)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["alibi"]
-    # the preset's values, the explicit slope_scale over the preset's, the bound = 8 x the original 16 positions
+    # the preset's values, the explicit slope_scale over the preset's, the bound = 1024 x the original 16 positions
     assert saved["sinks"] == PRESETS["pretrained"]["sinks"] == 1
-    assert saved["rotary_max_wavelength"] == 128.0 and saved["slope_scale"] == 0.25 and saved["slopes"] is None
+    assert saved["rotary_max_wavelength"] == 16384.0 and saved["slope_scale"] == 0.25 and saved["slopes"] is None
     ids, mask = left_padded()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
