@@ -88,9 +88,9 @@ print(f"pretrained {steps} steps x 16 x {L} tokens; last loss {loss.item():.3f}"
 #
 # `patch_model(model)` is the paper's method, for training from scratch. On a checkpoint that was
 # pretrained with positions, `preset="pretrained"` keeps more of what it knew: the first token is an
-# attention sink (no distance penalty), the slopes are a hundredth of the paper's, on rotary models the
-# rotary frequencies up to 8x the trained length stay (GPT-2 has none), and a learned table's mean (its first
-# 128 rows) stays in the token embeddings. Both convert a copy here; the KL
+# attention sink (no distance penalty), the slopes are a hundredth of the paper's, on rotary models every
+# rotary frequency stays, the long ones slowed past the trained length (GPT-2 has none), and a learned
+# table's mean (its first 128 rows) stays in the token embeddings. Both convert a copy here; the KL
 # of their next-token distributions to the original's, on held-out text at the original length, says how
 # far each moved.
 
