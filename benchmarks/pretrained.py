@@ -342,7 +342,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{folder}: its config states no maximum length (max_position_embeddings).")
     if args.position_tokens is None:
         args.position_tokens = 2 * native
-    bounds = args.bounds or position_bounds(native, args.position_tokens)
+    bounds = args.bounds or (position_bounds(native, args.position_tokens) if args.position_tokens else [])
     need = max(args.eval_tokens, args.position_tokens)
     if text.ids.numel() < need:
         raise SystemExit(f"The text has {text.ids.numel()} tokens; the evaluation needs {need}: lower the settings.")

@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""What the rotary knee costs per token: the pretrained preset against the same conversion without the knee
+(``rotary_stretch=1``), one forward of ``--tokens`` tokens each, interleaved, median of ``--repeats``; prints each
+median and its ratio to the conversion without the knee.
+
+    PYTHONPATH=. python benchmarks/rotary_knee.py --model /work/models/smollm2 --tokens 2048 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_alibi
+
+
+def main(argv=None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="/work/models/smollm2", help="a rotary causal LM checkpoint folder")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+
+    def load(**options):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+        return hf_alibi.patch_model(model, preset="pretrained", **options).eval()
+
+    arms = {"without the knee (rotary_stretch=1)": load(rotary_stretch=1.0), "the preset (knee)": load()}
+    vocab = next(iter(arms.values())).config.vocab_size
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    with torch.no_grad():
+        for model in arms.values():
+            model(input_ids=ids[:, :64])  # warm up
+        for _ in range(args.repeats):
+            for name, model in arms.items():
+                start = time.perf_counter()
+                model(input_ids=ids)
+                times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    base = medians["without the knee (rotary_stretch=1)"]
+    for name, median in medians.items():
+        print(f"{name}: median {median:.3f} s over {args.repeats}, ratio {median / base:.3f}")
+    return medians
+
+
+if __name__ == "__main__":
+    main()
