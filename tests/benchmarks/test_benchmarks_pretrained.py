@@ -100,7 +100,7 @@ def test_a_yarn_conversion_arm_keeps_the_yarn_scaled_frequencies(tmp_path):
     assert arm.options == {"preset": "pretrained", "yarn": 2.0}
     converted = bench.load(str(tmp_path), arm, 32)
     yarn = bench.load(str(tmp_path), bench.parse_arm("yarn:2"), 32)  # YaRN alone, the same factor
-    x, positions = torch.zeros(1, 1, 8), torch.arange(100)[None]
+    x, positions = torch.zeros(1, 1, 8), torch.arange(32)[None]  # inside the preset's rotary knee
     with torch.no_grad():
         (cos, sin), (yarn_cos, yarn_sin) = (
             converted.model.rotary_emb(x, positions),
