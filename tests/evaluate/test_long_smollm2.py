@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from smollm2 import SKIP, load_smollm2, smollm2_gguf
+from smollm2 import saved_smollm2
 
 from hf_alibi.cli import main as cli_main
 
@@ -19,15 +19,9 @@ INSIDE, PAST = ("0-1k", "1k-2k", "2k-4k", "4k-8k"), ("8k-16k",)
 
 
 def test_the_knee_reads_past_the_native_length_where_the_conversion_without_it_fails(tmp_path, capsys):
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip(SKIP)
+    saved_smollm2(tmp_path / "original")
     from hf_alibi.train.data import embedded_corpus
 
-    original, tokenizer = load_smollm2(gguf)
-    original.save_pretrained(tmp_path / "original")
-    tokenizer.save_pretrained(tmp_path / "original")
-    del original
     corpus = embedded_corpus()
     fit_text = tmp_path / "fit.txt"  # the train split: the slopes never see the text they are measured on
     fit_text.write_text("".join(corpus["train"]["text"][:200]))
