@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_alibi
 from hf_alibi.convert.positions import original_length, position_limit
 from hf_alibi.core.settings import conversion_options
-from hf_alibi.evaluate.comparison import measure_model
+from hf_alibi.evaluate.comparison import measure_model, rope_overrides, rope_theta
 from hf_alibi.evaluate.passkey import NEW_TOKENS
 from hf_alibi.evaluate.stream import position_bounds, short
 from hf_alibi.hub.checkpoints import read_config
@@ -120,27 +120,15 @@ def fitted_options(options: dict, original, ids: torch.Tensor) -> dict:
     return options
 
 
-def rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise SystemExit(f"{config.model_type} has no rope_theta: YaRN arms need a rotary model; drop yarn:F.")
-    return float(theta)
-
-
 def load(folder: str, arm: Arm, native: int) -> torch.nn.Module:
     """The checkpoint as this arm runs it, fp32, SDPA, eval mode."""
     kwargs, options = {}, dict(arm.options)
     factor = options.pop("factor" if arm.kind == "yarn" else "yarn", None)
     if factor is not None:  # a YaRN arm, or a conversion of the YaRN-scaled model (alibi arm's yarn=F)
         config = AutoConfig.from_pretrained(folder)
-        kwargs["rope_parameters"] = {
-            "rope_type": "yarn",
-            "factor": factor,
-            "original_max_position_embeddings": native,
-            "rope_theta": rope_theta(config),
-        }
-        kwargs["max_position_embeddings"] = int(native * factor)
+        if rope_theta(config) is None:
+            raise SystemExit(f"{config.model_type} has no rope_theta: YaRN arms need a rotary model; drop yarn:F.")
+        kwargs = rope_overrides(config, "yarn", factor, native)  # hf-alibi compare --rope yarn:F's keywords
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     if arm.kind == "alibi":
         hf_alibi.patch_model(model, **options)

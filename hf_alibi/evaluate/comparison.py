@@ -251,14 +251,14 @@ def compare(
     # (name, label, rope): each model as it is, then the first one with each --rope baseline
     runs = [(name, _label(name, models), None) for name in models]
     runs[1:1] = [(models[0], f"{runs[0][1]} {rope_label(*r)}", r) for r in ropes]
-    for i, (name, label, stretch) in enumerate(runs):
+    for i, (name, label, baseline) in enumerate(runs):
         print(f"compare: model {i + 1}/{len(runs)}: {label}", file=sys.stderr, flush=True)
-        model = _load(name, device, dtype, stretch, facts[name]["native"])
+        model = _load(name, device, dtype, baseline, facts[name]["native"])
         row = measure_model(
             model, span, ids[: stream + 1] if stream else None, facts[name], lengths, protocols, stride, batch_tokens,
             chunk, bounds, passkey_lengths, depths, encode, tokenizer.decode,
         )  # fmt: skip
-        extra = {} if stretch is None else {"rope": {"rope_type": stretch[0], "factor": stretch[1]}}
+        extra = {} if baseline is None else {"rope": {"rope_type": baseline[0], "factor": baseline[1]}}
         results["models"].append({"name": name, "label": label, **facts[name], **extra, **row})
         del model
         gc.collect()
