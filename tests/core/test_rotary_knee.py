@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from reference import KneeRotaryReference, fairseq_slopes, first_real_tokens, register_sink_reference, sink_bias
+from reference import fairseq_slopes, first_real_tokens, retained_rotary_reference_logits, sink_bias
 from tiny import VOCAB, random_ids
 
 import hf_alibi
@@ -32,17 +32,16 @@ def make(attn: str = "sdpa") -> transformers.LlamaForCausalLM:
 
 
 def reference_logits(model, ids, mask=None) -> torch.Tensor:
-    """The converted ``model``'s weights in the original architecture, with the float64 knee rotary and the sink
-    bias; positions counted as the original counts them (from the row's first slot, padding included)."""
+    """The converted ``model``'s weights in the original architecture, with the float64 knee rotary
+    (tests/reference.py's KneeRotaryReference) and the sink bias; positions counted as the original counts them
+    (from the row's first slot, padding included)."""
     slopes = [0.25 * s for s in fairseq_slopes(4)]
     bias = sink_bias("causal", slopes, ids.shape[1], 1, first_real_tokens(mask, ids.shape[0]))
-    register_sink_reference("hf_alibi_tests_knee_reference", bias)
-    original = make("hf_alibi_tests_knee_reference")
-    missing, unexpected = original.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all("inv_freq" in n for n in missing)
-    original.model.rotary_emb = KneeRotaryReference(ROTARY["head_dim"], THETA, WAVELENGTH, KNEE, STRETCH)
+    make_original = lambda **kw: make(kw["attn_implementation"])  # noqa: E731
     with torch.no_grad():
-        return original(input_ids=ids, attention_mask=mask).logits
+        return retained_rotary_reference_logits(
+            make_original, model, ids, mask, bias, WAVELENGTH, THETA, KNEE, STRETCH
+        )
 
 
 def converted():
