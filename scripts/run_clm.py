@@ -55,6 +55,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import hf_alibi
 from hf_alibi.convert.positions import original_length
+from hf_alibi.core.partitions import whole_shape
 from hf_alibi.evaluate import evaluate_lengths, format_table, plot_results
 from hf_alibi.export.gguf import OUTTYPES, check_exportable
 from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, model_kind
@@ -62,6 +63,7 @@ from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
 from hf_alibi.train.data import embedded_tokenizer, load_raw_datasets
 from hf_alibi.train.distributed import (
     close_process_group,
+    deepspeed_on_cpu,
     fsdp_requested,
     fsdp_requested_but_not_used,
     is_fsdp2,
@@ -157,8 +159,8 @@ def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+    else:  # --deepspeed on CPUs: accelerate's state made for it first (gloo, every process counted)
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(deepspeed_on_cpu(sys.argv[1:]))
 
     # Logging
     logging.basicConfig(
@@ -236,7 +238,7 @@ def main():
                 setattr(config, name, getattr(tokenizer, name))
         model = AutoModelForCausalLM.from_config(config, attn_implementation=model_args.attn_implementation)
         logger.info(f"Training new model from scratch: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    if len(tokenizer) > whole_shape(model.get_input_embeddings().weight)[0]:  # a ZeRO-3 partition's is (0,)
         model.resize_token_embeddings(len(tokenizer))
     if model.loss_type is None:  # a class name naming no loss (GPT2LMHeadModel): transformers warns, then takes this
         model.loss_type = "ForCausalLM"
@@ -250,6 +252,11 @@ def main():
         if data_args.train_sequence_length_scaling != 1:
             raise ValueError(
                 "--distill_from_original trains at the original length: leave out --train_sequence_length_scaling."
+            )
+        if training_args.deepspeed:
+            raise ValueError(
+                "--distill_from_original does not run under --deepspeed yet (its teacher would be a copy of "
+                "partitioned weights): distill with DDP or FSDP (docs/training.md)."
             )
         teacher = copy.deepcopy(model)
     if model_args.alibi:

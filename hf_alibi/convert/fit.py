@@ -19,6 +19,7 @@ from ..core.architectures import find_architecture
 from ..core.compat import attn_implementation
 from ..core.conversion import self_attentions
 from ..core.names import is_alibi
+from ..core.partitions import whole_weights
 from ..core.settings import FittedSlopes
 
 DEFAULT_SCALE = 0.1  # SmolLM2-135M, no training: 0.1 beat 0.3 and 1.0 at 256 / 1024 / 4096 (docs/measurements.md)
@@ -102,7 +103,8 @@ def fit_slopes(
     hooks = [module.register_forward_hook(partial(reduce, i)) for i, module in enumerate(attentions)]
     model.set_attn_implementation("eager")
     try:
-        model.eval()(input_ids=ids.to(next(model.parameters()).device))
+        with whole_weights(model, "fit_slopes"):  # a ZeRO-3 partition gathered; the meta device refused
+            model.eval()(input_ids=ids.to(next(model.parameters()).device))
     finally:
         for hook in hooks:
             hook.remove()

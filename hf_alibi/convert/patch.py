@@ -23,6 +23,7 @@ from ..core.architectures import Architecture
 from ..core.config import get_settings
 from ..core.conversion import check_fits, check_sinks_fit, convert
 from ..core.names import is_alibi
+from ..core.partitions import whole_shape, whole_weights
 from ..core.settings import AlibiSettings, conversion_options, preset_name
 from ..core.strategies import add_position_means, find_modules, position_mean_edits, table_rows
 from ..native import NativeArchitecture, patch_native
@@ -97,6 +98,20 @@ class ConversionPlan:
         with the plan's sinks. Before :meth:`for_model`."""
         return plan_conversion(self.config, **{**self.given, "slopes": slopes})
 
+    def _weight_reads(self, config) -> tuple[bool, bool]:
+        """Which weights' values this conversion reads: (the learned table's periodic part, its mean folded)."""
+        fields, settings = {f.name: f for f in conversion_options()}, self.settings
+        keeps_table = settings.table_max_wavelength is not None and _applies(
+            fields["table_max_wavelength"], self.row, config
+        )
+        mean = settings.position_mean
+        folds_mean = type(mean) is int and mean > 0 and _applies(fields["position_mean"], self.row, config)
+        return keeps_table, folds_mean  # a bad mean: checked as the settings were made
+
+    def reads_weights(self, config) -> bool:
+        """True where the conversion reads weight values (not only shapes): it cannot run on the meta device."""
+        return any(self._weight_reads(config))
+
     def for_model(self, model: PreTrainedModel) -> ConversionPlan:
         """The plan completed with ``model`` (of the planned type, not converted yet): one-line ``ValueError`` where
         it does not fit; nothing changes."""
@@ -120,11 +135,17 @@ class ConversionPlan:
                 f"hf_alibi has no ALiBi class for {type(model).__name__}; for model_type {config.model_type!r} "
                 f"it converts: {', '.join(sorted(cls.__name__ for cls in classes))}."
             )
-        fields, changes, edits = {f.name: f for f in conversion_options()}, {}, ()
-        if settings.table_max_wavelength is not None and _applies(fields["table_max_wavelength"], row, config):
+        with whole_weights(model, "plan.for_model", reads=self.reads_weights(config)):  # read whole, or refused
+            return self._completed(model, row, settings, alibi_cls)
+
+    def _completed(self, model: PreTrainedModel, row, settings: AlibiSettings, alibi_cls: type) -> ConversionPlan:
+        config = model.config
+        changes, edits = {}, ()
+        keeps_table, folds_mean = self._weight_reads(config)
+        if keeps_table:
             changes["table_rows"] = _table_rows(model, row)
-        mean = settings.position_mean
-        if type(mean) is int and mean > 0 and _applies(fields["position_mean"], row, config):  # a bad one: checked
+        if folds_mean:
+            mean = settings.position_mean
             try:
                 edits = position_mean_edits(model.base_model, row.position, mean)
             except ValueError:
@@ -257,10 +278,12 @@ def patch_model(
         or any(value is not None for value in options.values())
     ):
         raise TypeError("patch_model takes a plan or the options it is made from, not both: put them in the plan.")
-    plan = plan.for_model(model)  # every check, once
-    # Everything is validated: from here on the instance changes (its weights, then its config, a copy).
-    add_position_means(plan.mean_edits)
-    convert(model, plan.settings, plan.row, plan.alibi_class)
+    # every weight read whole (a ZeRO-3 partition gathered) or a one-line refusal first (core/partitions.py)
+    with whole_weights(model, "patch_model", write=True, reads=plan.reads_weights(config)):
+        plan = plan.for_model(model)  # every check, once
+        # Everything is validated: from here on the instance changes (its weights, then its config, a copy).
+        add_position_means(plan.mean_edits)
+        convert(model, plan.settings, plan.row, plan.alibi_class)
     return model
 
 
@@ -296,7 +319,7 @@ def _table_rows(model: PreTrainedModel, row) -> int:
     counts = set()
     for path in row.position:
         for _, _, table in find_modules(model.base_model, path):
-            if not isinstance(getattr(table, "weight", None), torch.Tensor) or table.weight.dim() != 2:
+            if not isinstance(getattr(table, "weight", None), torch.Tensor) or len(whole_shape(table.weight)) != 2:
                 raise ValueError(
                     f"table_max_wavelength needs a learned table of shape (rows, width) at {path!r}; "
                     f"{type(table).__name__} has none. Leave it None."

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .compat import is_exporting
+from .partitions import partitioning, whole_shape
 
 
 def find_modules(root: nn.Module, path: str) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -195,7 +196,7 @@ class RetainedTable(nn.Module):
         super().__init__()
         self.rows, self.first, self.max_wavelength = int(rows), int(first), float(max_wavelength)
         table = torch.zeros(self.rows, width)
-        if source is not None and not source.is_meta:
+        if source is not None and partitioning(source) is None:  # else rebuilt: the buffer loads with the weights
             table = periodic_part(source.detach()[self.first : self.first + self.rows].float(), self.max_wavelength)
         self.register_buffer("table", table)
 
@@ -223,7 +224,7 @@ def table_rows(table: nn.Module) -> tuple[int, int]:
     and how many there are."""
     padding = getattr(table, "padding_idx", None)
     first = getattr(table, "offset", None) or (padding + 1 if padding is not None else 0)
-    return first, table.weight.shape[0] - first
+    return first, whole_shape(table.weight)[0] - first
 
 
 def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: float, rows: int) -> None:
@@ -237,7 +238,8 @@ def retained_table(base: nn.Module, paths: tuple[str, ...], max_wavelength: floa
             first, own_rows = table_rows(table)
             rows = rows or own_rows  # settings made by hand may leave the count to the table
             source = table.weight if own_rows == rows else None  # a model being rebuilt: the weights load later
-            setattr(parent, name, RetainedTable(rows, table.weight.shape[1], max_wavelength, first, source))
+            width = whole_shape(table.weight)[1]
+            setattr(parent, name, RetainedTable(rows, width, max_wavelength, first, source))
             _unbounded_defaults(parent, positions=True)
 
 

@@ -18,9 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -324,7 +328,8 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
     """A staging folder next to ``out``, made at once (so a place that cannot be written fails before
     anything is loaded or trained), renamed to ``out`` when the block ends without an error (replacing
     an old ``out`` only then). On any error the staging folder and the parent folders made for it are
-    removed, and an ``OSError`` becomes a :class:`CheckpointError` saying nothing was written.
+    removed, and an ``OSError`` becomes a :class:`CheckpointError` saying nothing was written. A run killed
+    outright (SIGKILL) removes nothing: the next one for the same ``out`` does (:func:`sweep_staging`).
 
     >>> with staged_output("alibi") as staging:
     ...     model.save_pretrained(staging)
@@ -335,8 +340,11 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
     staging = None
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        sweep_staging(out)  # the staging folders of runs for this OUT that died (SIGKILL, the OOM killer)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+        (staging / STAGING_MARK).write_text(json.dumps(_owner()))
         yield staging
+        (staging / STAGING_MARK).unlink()
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -358,6 +366,92 @@ def staged_output(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+# In each staging folder while it is written: who writes it (pid, its start time, host), for sweep_staging
+STAGING_MARK = ".hf_alibi-staging.json"
+logger = logging.getLogger("hf_alibi")
+
+
+def sweep_staging(out: str | os.PathLike) -> list[str]:
+    """Remove the staging folders beside ``out`` (``.OUT.xxxxxxxx``) that runs which died left behind, and name with
+    their size those whose writer this machine cannot see (another host, or no mark); a run alive is left alone.
+    Returns the lines it logged (``hf_alibi`` logger, warnings).
+
+    A folder is dead when its mark names a process of this host that no longer runs (the pid gone, or reused by a
+    process started at another time). Folders without a mark, or of other hosts, are never removed: a run writing
+    them may be alive there.
+    """
+    out = Path(out).expanduser()
+    lines = []
+    for folder in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
+        if not folder.is_dir() or not _STAGING_NAME.fullmatch(folder.name[len(out.name) + 2 :]):
+            continue
+        owner = _read_owner(folder)
+        size = _size(folder)
+        alive = _alive(owner)
+        if alive is False:
+            shutil.rmtree(folder, ignore_errors=True)
+            lines.append(
+                f"removed {folder} ({size}): the staging folder of a run for {out.name} that died (pid {owner['pid']})"
+            )
+        elif alive is None:
+            where = "another host's run" if owner else "a run that left no mark"
+            lines.append(
+                f"left {folder} ({size}) alone: the staging folder of {where} for {out.name}; remove it if no run is "
+                "writing it"
+            )
+    for line in lines:
+        logger.warning(line)
+    return lines
+
+
+_STAGING_NAME = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkdtemp's random part
+
+
+def _owner() -> dict:
+    return {"pid": os.getpid(), "started": _started(os.getpid()), "host": socket.gethostname()}
+
+
+def _started(pid: int) -> float | None:
+    try:
+        import psutil  # accelerate's dependency
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # noqa: BLE001 - gone, or not allowed to look: unknown
+        return None
+
+
+def _read_owner(folder: Path) -> dict | None:
+    try:
+        owner = json.loads((folder / STAGING_MARK).read_text())
+        return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(owner: dict | None) -> bool | None:
+    """True / False for a writer of this host; None where this process cannot tell (no mark, another host)."""
+    if owner is None or owner.get("host") != socket.gethostname():
+        return None
+    import psutil  # accelerate's dependency
+
+    try:
+        started = psutil.Process(owner["pid"]).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # not allowed to look: it runs
+        return True
+    return owner.get("started") is None or abs(started - owner["started"]) < 1.0  # else the pid was reused
+
+
+def _size(folder: Path) -> str:
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    for unit in ("B", "KB", "MB", "GB"):
+        if total < 1024 or unit == "GB":
+            return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
+        total /= 1024
+    return f"{total:.1f} TB"  # pragma: no cover
+
+
 __all__ = [
     "CheckpointError",
     "Source",
@@ -374,4 +468,5 @@ __all__ = [
     "read_config",
     "source_kind",
     "staged_output",
+    "sweep_staging",
 ]

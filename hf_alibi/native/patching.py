@@ -11,6 +11,7 @@ from ..core.bias import AlibiBias
 from ..core.compat import attn_implementation, store_attn_implementation
 from ..core.config import rebind_config
 from ..core.forward import ForwardSetup, SharedByLayers, hook_base
+from ..core.partitions import whole_shape
 from ..core.slopes import CAUSAL, KeyRounding
 from ..core.strategies import find_modules
 from .attention import NativeAlibiAttention, boolean_causal_mask, native_slopes
@@ -44,7 +45,7 @@ def check_native(model: PreTrainedModel, row: NativeArchitecture) -> None:
                 f"{field}={config_value(config, field)!r}, a layout it does not match. Use transformers' attention."
             )
     for _, _, attention in find_modules(model.base_model, row.attention):
-        width = getattr(attention, row.qkv).weight.shape[0]
+        width = whole_shape(getattr(attention, row.qkv).weight)[0]  # a ZeRO-3 partition's too
         if width != 3 * heads * attention.head_dim:
             raise ValueError(
                 f"{type(attention).__name__} projects q, k, v to {width} features, not 3 x {heads} heads x "

@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 
 from ..convert.positions import position_table
 from ..core.config import get_settings
+from ..core.partitions import whole_weights
 
 
 class PositionWarmStart:
@@ -31,7 +32,8 @@ class PositionWarmStart:
                 f"(table_max_wavelength={kept:g}). Use warm_start_steps=0, or convert with table_max_wavelength=0."
             )
         module, self.offset = table
-        self.weight = module.weight.detach().clone()
+        with whole_weights(module, "warm_start_steps"):  # a ZeRO-3 partition gathered (core/partitions.py)
+            self.weight = module.weight.detach().clone()
         self.steps = int(steps)
         self.alpha = 1.0
         self.handle = student.get_input_embeddings().register_forward_hook(self._hook)

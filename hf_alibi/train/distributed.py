@@ -7,6 +7,9 @@
   ranks run different forwards (the evaluation at many lengths shares its windows between ranks; an
   FSDP2 forward is a collective that every rank must enter with the same shapes).
 * :func:`close_process_group`: the end of a distributed run, every rank's process group closed cleanly.
+* :func:`deepspeed_on_cpu`: DeepSpeed through the Trainer on CPUs (``DS_ACCELERATOR=cpu``, gloo), which accelerate
+  1.15 does not set up by itself: without CUDA it leaves the backend unset and counts one process.
+* :func:`unsharded_copy` also gathers a DeepSpeed ZeRO-3 model (its partitions), as FSDP2's shards.
 
 The ALiBi layers need nothing from FSDP: the fixed slopes are no parameters (recomputed per device),
 and the learned encoder slopes (``...alibi.slopes_left`` / ``slopes_right``) are ordinary parameters,
@@ -74,11 +77,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def unsharded_copy(model: nn.Module) -> nn.Module:
-    """A plain copy of ``model`` (an FSDP2 model, or any model) with the same class, config and weights.
+    """A plain copy of ``model`` (an FSDP2 model, a ZeRO-3 one, or any model) with the same class, config and
+    weights.
 
-    Collective for FSDP2 models: every rank must call it. The copy lives on the device of the
+    Collective for FSDP2 and ZeRO-3 models: every rank must call it. The copy lives on the device of the
     model's parameters and is in eval mode; the original is unchanged.
     """
+    if is_zero3(model):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):  # every rank: all-gathers the partitions
+            state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        copy = type(model)(model.config)  # a plain constructor: not under zero.Init
+        copy.load_state_dict(state, strict=True)
+        return copy.to(next(iter(state.values())).device).eval()
     if not is_fsdp2(model):
         return model
     state = full_state_dict(model)
@@ -87,6 +99,40 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
     copy = base(model.config)  # on the CPU, not meta: non-persistent buffers are not in the state dict
     copy.load_state_dict(state, strict=True)
     return copy.to(device).eval()
+
+
+def is_zero3(model: nn.Module) -> bool:
+    """The model's weights are DeepSpeed ZeRO-3 partitions (``deepspeed.zero.Init``, or a ZeRO-3 engine's)."""
+    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+
+
+def deepspeed_on_cpu(args: list[str]) -> list[str]:
+    """Before ``TrainingArguments`` is made: where ``args`` ask for ``--deepspeed`` and there is no GPU, make
+    accelerate's state a DeepSpeed one on gloo (``DS_ACCELERATOR=cpu``; every process of the launch counted) and
+    return ``args`` with ``--accelerator_config '{"use_configured_state": true}'`` (the Trainer then takes that state);
+    else ``args`` unchanged. One-line ``ValueError`` where the arguments ask for another accelerator config."""
+    if "--deepspeed" not in args and not any(a.startswith("--deepspeed=") for a in args):
+        return args
+    if torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return args
+    if any(a == "--accelerator_config" or a.startswith("--accelerator_config=") for a in args):
+        raise ValueError(
+            '--deepspeed on CPUs sets --accelerator_config itself ({"use_configured_state": true}: accelerate\'s '
+            "state is made for DeepSpeed on gloo first): leave --accelerator_config out."
+        )
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from accelerate import PartialState
+
+    previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # accelerate reads it as the state is made (as transformers does)
+    try:
+        PartialState(backend="gloo")
+    finally:
+        if previous is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+    return [*args, "--accelerator_config", '{"use_configured_state": true}']
 
 
 def _is_fsdp_class(cls: type) -> bool:

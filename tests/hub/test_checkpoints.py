@@ -1,7 +1,12 @@
 """hf_alibi/hub/checkpoints.py and hf_alibi/convert/positions.py: one answer to each question about a checkpoint and
 its positions (the package's imports: tests/test_imports.py)."""
 
+import logging
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +131,51 @@ def test_a_source_is_resolved_once_and_carried(tmp_path, monkeypatch):
     assert checkpoints.open_source(source) is source and asked == []  # carried: not checked again
     hub = checkpoints.Source("someone/model", "hub", {"model_type": "gpt2"})
     assert not hub.local and hub.has_tokenizer() is None
+
+
+_WRITER = """
+import sys, time
+from hf_alibi.hub.checkpoints import staged_output
+with staged_output(sys.argv[1]) as staging:
+    (staging / "model.safetensors").write_bytes(b"x" * 3000)  # half a model
+    print(staging, flush=True)
+    time.sleep(600)
+"""
+
+
+def _writer(out):
+    """A process writing ``out`` through staged_output, stopped inside the block: (process, its staging folder)."""
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    return process, Path(process.stdout.readline().strip())
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run_for_that_out(tmp_path, caplog):
+    out = tmp_path / "alibi"
+    alive, running = _writer(out)  # a run for this OUT, still writing
+    killed, dead = _writer(out)  # another, then killed
+    killed.send_signal(signal.SIGKILL)  # as the OOM killer does: no handler, no cleanup
+    killed.wait(timeout=60)
+    unmarked = tmp_path / ".alibi.abcd1234"  # no mark (another tool, an older version): whose, nobody can tell
+    unmarked.mkdir()
+    (unmarked / "weights").write_bytes(b"y" * 2048)
+    other = tmp_path / ".alibi-2.abcd1234"  # another OUT's
+    other.mkdir()
+    try:
+        assert dead.is_dir() and running.is_dir()
+        with caplog.at_level(logging.WARNING, logger="hf_alibi"):
+            with checkpoints.staged_output(out) as staging:
+                (staging / "weights").write_text("whole")
+        assert not dead.exists()
+        assert running.is_dir() and unmarked.is_dir() and other.is_dir()
+        said = [r.getMessage() for r in caplog.records if r.name == "hf_alibi"]
+        assert sorted(said) == sorted(
+            [  # its size counts the mark (about 70 bytes)
+                f"removed {dead} (3.0 KB): the staging folder of a run for alibi that died (pid {killed.pid})",
+                f"left {unmarked} (2.0 KB) alone: the staging folder of a run that left no mark for alibi; "
+                "remove it if no run is writing it",
+            ]
+        ), said
+        assert sorted(p.name for p in out.iterdir()) == ["weights"]  # the mark is not part of OUT
+    finally:
+        alive.kill()
+        alive.wait(timeout=60)
