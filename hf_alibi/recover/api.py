@@ -20,6 +20,7 @@ from ..core.config import get_settings
 from ..core.names import is_alibi
 from ..core.settings import FIT_TOKENS
 from ..hub.compat import name_or_path
+from ..train.distributed import launch_world
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
 from .lengths import check_text_length, resolve_lengths
@@ -136,7 +137,8 @@ def recover(
     trained = add_lora(student, settings.lora_rank) if settings.lora_rank else student
     # 4. distil, with the agreement at the start, every eval_every steps and at the end
     history: list[dict[str, Any]] = []
-    tokens_per_step = batch_size * length
+    processes = launch_world()  # several processes (DDP): each takes batch_size blocks a step
+    tokens_per_step = processes * batch_size * length
 
     def evaluate(step: int) -> None:
         figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind, frame)
@@ -168,11 +170,12 @@ def recover(
         "loss": _loss_name(kind, settings.hidden_layers, settings.lm_weight, settings.temperature),
         "steps": max_steps,
         "batch_size": batch_size,
+        "processes": processes,
         "length": length,
         "tokens": max_steps * tokens_per_step,
         "train_tokens_available": int(len(blocks) * length),
         "special_tokens_per_block": frame_size(frame),
-        "epochs": round(max_steps * batch_size / len(blocks), 3),
+        "epochs": round(max_steps * processes * batch_size / len(blocks), 3),
         "learning_rate": learning_rate,
         "preset": preset or "paper",
         "slopes": _slopes_note(slopes, preset),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ def recover_checkpoint(
         >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", settings=RecoverySettings(max_steps=300))
     """
     # on use: hf_alibi.recover loads transformers' Trainer, which the other jobs do not need
+    from ..train.distributed import check_launch, end_launch, launch_rank
     from .api import recover
     from .blocks import read_texts, token_stream
     from .lengths import check_text_length, resolve_lengths
@@ -89,7 +91,12 @@ def recover_checkpoint(
         raise CheckpointError(
             f"SRC {src!r} has no tokenizer files; recover needs the model's tokenizer to read the text."
         )
-    with staged_output(out) as staging:  # made first: a place that cannot be written fails before training
+    try:  # one process, or several with DDP (torchrun); a sharded launch refused before anything loads
+        check_launch()
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    main = launch_rank() == 0  # several processes: rank 0 alone stages and writes OUT, the others train with it
+    with staged_output(out) if main else nullcontext() as staging:  # made first: an OUT that cannot be written fails
         try:
             tokenizer = AutoTokenizer.from_pretrained(src)
         except Exception as error:
@@ -120,10 +127,12 @@ def recover_checkpoint(
         result.info["teacher"] = src
 
         # as hf-alibi convert (SRC's companions kept), the card with how it was recovered
-        write_converted(staging, result.student, source, tokenizer, recovery=recovery_card_section(result))
-        (staging / "recovery.json").write_text(
-            json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
-        )
+        if main:
+            write_converted(staging, result.student, source, tokenizer, recovery=recovery_card_section(result))
+            (staging / "recovery.json").write_text(
+                json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
+            )
+    end_launch()  # every rank waits for OUT, then the process group closes cleanly
     return out, result
 
 

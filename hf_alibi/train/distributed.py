@@ -101,6 +101,39 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
     return copy.to(device).eval()
 
 
+def launch_rank() -> int:
+    """This process's rank in the launch (torchrun's, accelerate's or DeepSpeed's ``RANK``), 0 alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_world() -> int:
+    """How many processes the launch started (``WORLD_SIZE``), 1 alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_launch() -> None:
+    """One-line ``ValueError`` where ``hf-alibi recover`` is launched to shard (FSDP, DeepSpeed): it runs in one
+    process or in several with DDP (``torchrun --nproc_per_node N -m hf_alibi recover ...``), each holding the whole
+    teacher and student."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if fsdp_requested() or deepspeed:
+        raise ValueError(
+            f"hf-alibi recover was launched with {'DeepSpeed' if deepspeed else 'FSDP'}, which it does not shard "
+            "with: it runs in one process, or in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover "
+            "...), each holding the whole model. Launch it so, or distil with run_clm.py --distill_from_original."
+        )
+
+
+def end_launch() -> None:
+    """The end of a job in several processes: every rank waits for the others (rank 0 writes what they made), then
+    the process group closes (:func:`close_process_group`'s reasons); nothing in one process."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.barrier()
+    time.sleep(0.2)  # the GIL released: gloo's workers finish dropping their last work
+    torch.distributed.destroy_process_group()
+
+
 def is_zero3(model: nn.Module) -> bool:
     """The model's weights are DeepSpeed ZeRO-3 partitions (``deepspeed.zero.Init``, or a ZeRO-3 engine's)."""
     return any(hasattr(parameter, "ds_id") for parameter in model.parameters())

@@ -4,6 +4,10 @@ references, the teacher frozen, the loss falling, the CLI end to end and its ref
 import copy
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -446,3 +450,48 @@ def test_run_clm_distill_needs_the_original_and_alibi():
         run_clm.ModelArguments(model_type="gpt2", alibi=True, distill_from_original=True)
     with pytest.raises(ValueError, match="needs --model_name_or_path"):
         run_clm.ModelArguments(model_name_or_path="x", distill_from_original=True)
+
+
+def test_recover_in_two_processes_with_ddp_equals_one_process(source, recovered, tmp_path):
+    """``torchrun --nproc_per_node 2 -m hf_alibi recover``, 2 blocks a step on each rank, against the fixture's one
+    process of 4 (the same 4 blocks a step: accelerate gives rank r the r-th batch of each pair; no dropout): the same
+    agreement history and weights, within what the ranks' reduced sums change; rank 0 alone wrote OUT."""
+    (src, text), (_, expected_out, expected) = source, recovered
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), "-m", "hf_alibi", "recover", str(src), str(out), "--train_file", str(text),
+               "--max_steps", "4", "--batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.stdout.count("Wrote the recovered ALiBi checkpoint") == 1  # rank 0's line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp"]  # no staging folder of any rank left
+    recovery = json.loads((out / "recovery.json").read_text())
+    assert recovery["info"]["processes"] == 2 and recovery["info"]["tokens"] == expected.info["tokens"]
+    assert [h["step"] for h in recovery["history"]] == [h["step"] for h in expected.history]
+    for got, want in zip(recovery["history"], expected.history):  # KL and perplexity at every length
+        assert got.keys() == want.keys() and "kl" in want
+        for key in set(want) - {"step", "tokens"}:
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (got["step"], key)
+    assert expected.history[-1]["kl"] < expected.history[0]["kl"]  # it trained
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(expected_out).state_dict()
+    assert saved.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(saved[key], want[key], rtol=0, atol=1e-5, msg=key)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_recover_launched_to_shard_is_refused_before_anything_loads(source, tmp_path, capsys, monkeypatch, variable):
+    src, text = source
+    monkeypatch.setenv(variable, "true")  # what accelerate launch --use_fsdp / --use_deepspeed sets
+    code, _, err = run_cli("recover", src, tmp_path / "out", "--train_file", text, "--max_steps", "2", capsys=capsys)
+    assert code == 2 and err.startswith("hf-alibi: error: hf-alibi recover was launched with ")
+    assert "DDP (torchrun --nproc_per_node N -m hf_alibi recover" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
