@@ -20,7 +20,7 @@ from ..core.config import get_settings
 from ..core.names import is_alibi
 from ..core.settings import FIT_TOKENS
 from ..hub.compat import name_or_path
-from ..train.distributed import launch_world
+from ..train.distributed import deepspeed_cpu_state, is_zero3, launch_world, unsharded_copy
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
 from .lengths import check_text_length, resolve_lengths
@@ -141,7 +141,10 @@ def recover(
     tokens_per_step = processes * batch_size * length
 
     def evaluate(step: int) -> None:
-        figures = agreement(trained, teacher, eval_stream, length, eval_factors, kind, frame)
+        # ZeRO-3: on a gathered copy (every rank; a forward of the partitioned student outside the engine's step
+        # leaves its prefetching out of order: the next training step hung)
+        student_now = unsharded_copy(trained) if is_zero3(trained) else trained
+        figures = agreement(student_now, teacher, eval_stream, length, eval_factors, kind, frame)
         history.append({"step": step, "tokens": step * tokens_per_step, **figures})
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
         _write(line, say)
@@ -162,7 +165,8 @@ def recover(
     seconds = time.perf_counter() - start
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     evaluate(max_steps)
-    student = merge_lora(trained).eval()
+    # the whole student on every rank (ZeRO-3: its partitions gathered, a collective; else itself), then LoRA merged
+    student = merge_lora(unsharded_copy(trained)).eval()
     # 5. what was done, for the card and recovery.json
     info = {
         "teacher": name_or_path(teacher.config) or type(teacher).__name__,
@@ -237,6 +241,11 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
     labels = lm_weight > 0 and kind != ENCODER_MODEL
     collator = mlm_collator(tokenizer) if lm_weight > 0 and kind == ENCODER_MODEL else default_data_collator
     scratch = tempfile.TemporaryDirectory(prefix="hf_alibi_recover_") if output_dir is None else None
+    extra = {}
+    if settings.deepspeed:  # the student partitioned; on CPUs accelerate's state made for DeepSpeed on gloo first
+        extra = {"deepspeed": settings.deepspeed}
+        if deepspeed_cpu_state():
+            extra["accelerator_config"] = {"use_configured_state": True}
     args = TrainingArguments(
         output_dir=output_dir or scratch.name,
         max_steps=max_steps,
@@ -253,8 +262,9 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
         seed=settings.seed,
         disable_tqdm=not settings.progress,
         remove_unused_columns=False,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available() and not settings.deepspeed,
         dataloader_num_workers=0,
+        **extra,
     )
     every = max_steps // 4 if settings.eval_every is None else settings.eval_every
     trainer = DistillationTrainer(

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..convert.planning import check_fit_slopes
@@ -100,6 +102,18 @@ def _fraction(name: str, value: Any) -> None:
 def _factors(name: str, value: Any) -> None:
     if not value or not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in value):
         raise ValueError(f"eval_factors must be integers >= 1 (multiples of length), got {value!r}.")
+
+
+def _deepspeed_config(name: str, value: Any) -> None:
+    if value is None:
+        return
+    try:
+        config = json.loads(Path(value).read_text())
+    except (OSError, TypeError, ValueError) as error:
+        raise ValueError(f"deepspeed must be a DeepSpeed config file (JSON), got {value!r}: {error}.") from None
+    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"deepspeed: {value!r} has zero_optimization.stage {stage!r}; use 0 to 3.")
 
 
 def _with_conversion_options(cls: type) -> type:
@@ -242,6 +256,14 @@ class RecoverySettings:
         flag={"type": int, "help": "default: max steps / 4"},
         check=at_least(0),
     )
+    deepspeed: str | None = setting(
+        None,
+        "A DeepSpeed config (configs/deepspeed/zero2.json, zero3.json): the student trains partitioned (ZeRO-2: its "
+        "optimizer state and gradients; ZeRO-3: its weights too), the teacher stays whole on every process. Launch "
+        "several processes (torchrun, deepspeed); on CPUs DS_ACCELERATOR=cpu (gloo). Not with lora_rank.",
+        flag={"type": str, "metavar": "CONFIG", "help": "DeepSpeed config (ZeRO-2 / ZeRO-3; docs/recovery.md)"},
+        check=_deepspeed_config,
+    )
     seed: int = setting(0, "The Trainer's seed.", flag={"type": int})
     progress: bool = setting(True, "The Trainer's progress bar.")
     output_dir: str | None = setting(
@@ -382,6 +404,11 @@ def check_settings(
         raise ValueError(
             f"max_eval_length {max_eval_length} is shorter than the training length {effective}: pass at least "
             f"{effective} (--max_eval_length)."
+        )
+    if settings.deepspeed and settings.lora_rank:
+        raise ValueError(
+            "lora_rank does not run with deepspeed yet (its adapters would be merged from partitioned weights): "
+            "train every weight (lora_rank 0), or distil LoRA adapters without --deepspeed."
         )
     if settings.save_steps and not settings.output_dir:
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")

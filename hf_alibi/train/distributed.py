@@ -111,16 +111,17 @@ def launch_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_launch() -> None:
-    """One-line ``ValueError`` where ``hf-alibi recover`` is launched to shard (FSDP, DeepSpeed): it runs in one
-    process or in several with DDP (``torchrun --nproc_per_node N -m hf_alibi recover ...``), each holding the whole
-    teacher and student."""
+def check_launch(deepspeed_config: str | None = None) -> None:
+    """One-line ``ValueError`` where ``hf-alibi recover`` is launched to shard in a way it does not: FSDP, or DeepSpeed
+    without its ``--deepspeed CONFIG``. It runs in one process, in several with DDP (``torchrun --nproc_per_node N -m
+    hf_alibi recover ...``), or with ``--deepspeed`` (ZeRO-2 / ZeRO-3: the student partitioned, the teacher whole on
+    every process)."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if fsdp_requested() or deepspeed:
+    if fsdp_requested() or (deepspeed and deepspeed_config is None):
         raise ValueError(
-            f"hf-alibi recover was launched with {'DeepSpeed' if deepspeed else 'FSDP'}, which it does not shard "
-            "with: it runs in one process, or in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover "
-            "...), each holding the whole model. Launch it so, or distil with run_clm.py --distill_from_original."
+            f"hf-alibi recover was launched with {'DeepSpeed' if deepspeed else 'FSDP'} and no config of it: it runs "
+            "in one process, in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover ...), or with "
+            "--deepspeed configs/deepspeed/zero3.json (ZeRO-2 / ZeRO-3). Launch it so."
         )
 
 
@@ -153,6 +154,16 @@ def deepspeed_on_cpu(args: list[str]) -> list[str]:
             '--deepspeed on CPUs sets --accelerator_config itself ({"use_configured_state": true}: accelerate\'s '
             "state is made for DeepSpeed on gloo first): leave --accelerator_config out."
         )
+    deepspeed_cpu_state()
+    return [*args, "--accelerator_config", '{"use_configured_state": true}']
+
+
+def deepspeed_cpu_state() -> bool:
+    """Where there is no GPU, make accelerate's state a DeepSpeed one on gloo (``DS_ACCELERATOR=cpu``) and return True:
+    ``TrainingArguments(deepspeed=..., accelerator_config={"use_configured_state": True})`` then takes it. False
+    (nothing made) on a GPU machine."""
+    if torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return False
     os.environ["DS_ACCELERATOR"] = "cpu"
     from accelerate import PartialState
 
@@ -165,7 +176,7 @@ def deepspeed_on_cpu(args: list[str]) -> list[str]:
             del os.environ["ACCELERATE_USE_DEEPSPEED"]
         else:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
-    return [*args, "--accelerator_config", '{"use_configured_state": true}']
+    return True
 
 
 def _is_fsdp_class(cls: type) -> bool:

@@ -452,16 +452,22 @@ def test_run_clm_distill_needs_the_original_and_alibi():
         run_clm.ModelArguments(model_name_or_path="x", distill_from_original=True)
 
 
-def test_recover_in_two_processes_with_ddp_equals_one_process(source, recovered, tmp_path):
-    """``torchrun --nproc_per_node 2 -m hf_alibi recover``, 2 blocks a step on each rank, against the fixture's one
-    process of 4 (the same 4 blocks a step: accelerate gives rank r the r-th batch of each pair; no dropout): the same
-    agreement history and weights, within what the ranks' reduced sums change; rank 0 alone wrote OUT."""
+@pytest.mark.parametrize("launch", ["ddp", "zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)])
+def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path, launch):
+    """``torchrun --nproc_per_node 2 -m hf_alibi recover`` with DDP, or with ``--deepspeed`` (ZeRO-3: the student
+    partitioned, the teacher whole on each rank), 2 blocks a step on each rank, against the fixture's one process of 4
+    (the same 4 blocks a step: accelerate gives rank r the r-th batch of each pair; no dropout): the same agreement
+    history and weights, within what the ranks' reduced sums change; rank 0 alone wrote OUT."""
+    if launch != "ddp":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     (src, text), (_, expected_out, expected) = source, recovered
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(_free_port()), "-m", "hf_alibi", "recover", str(src), str(out), "--train_file", str(text),
                "--max_steps", "4", "--batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
+    if launch != "ddp":
+        command += ["--deepspeed", str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / launch)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert result.stdout.count("Wrote the recovered ALiBi checkpoint") == 1  # rank 0's line
@@ -495,3 +501,16 @@ def test_recover_launched_to_shard_is_refused_before_anything_loads(source, tmp_
     assert code == 2 and err.startswith("hf-alibi: error: hf-alibi recover was launched with ")
     assert "DDP (torchrun --nproc_per_node N -m hf_alibi recover" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_deepspeed_setting_that_cannot_run_is_one_line(tmp_path):
+    from hf_alibi.recover.settings import RecoverySettings, check_settings
+
+    with pytest.raises(ValueError, match=r"deepspeed must be a DeepSpeed config file \(JSON\), got 'nowhere.json'"):
+        RecoverySettings(deepspeed="nowhere.json")
+    (tmp_path / "stage4.json").write_text('{"zero_optimization": {"stage": 4}}')
+    with pytest.raises(ValueError, match="has zero_optimization.stage 4; use 0 to 3"):
+        RecoverySettings(deepspeed=str(tmp_path / "stage4.json"))
+    zero3 = str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero3.json")
+    with pytest.raises(ValueError, match="lora_rank does not run with deepspeed yet"):
+        check_settings(64, deepspeed=zero3, lora_rank=4)
