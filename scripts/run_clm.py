@@ -62,6 +62,7 @@ from hf_alibi.recover import DistillationTrainer, agreement, format_agreement, m
 from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
 from hf_alibi.train.data import embedded_tokenizer, load_raw_datasets
 from hf_alibi.train.distributed import (
+    check_deepspeed_config,
     close_process_group,
     deepspeed_on_cpu,
     fsdp_requested,
@@ -177,6 +178,8 @@ def main():
         transformers.utils.logging.disable_progress_bar()
     logger.info(f"Training/evaluation parameters {training_args}")
 
+    if training_args.deepspeed:  # one that hf_alibi can honour (a whole checkpoint saved), before anything loads
+        check_deepspeed_config(training_args.deepspeed)
     set_seed(training_args.seed)
     not_fsdp = fsdp_requested_but_not_used(training_args.distributed_state.distributed_type)
     if not_fsdp and training_args.distributed_state.distributed_type.value in ("MULTI_CPU", "NO"):

@@ -74,10 +74,10 @@ def whole_weights(model: nn.Module, what: str, *, write: bool = False, reads: bo
         yield
         return
     try:  # in a try block: transformers' check_imports lets remote code load where DeepSpeed is not installed
-        from deepspeed.zero import GatheredParameters  # a ZeRO-3 parameter exists: DeepSpeed made it
+        import deepspeed  # a ZeRO-3 parameter exists: DeepSpeed made it (deepspeed.zero is an attribute, no module)
     except ImportError as error:  # pragma: no cover - a ds_id without DeepSpeed
         raise ValueError(f"{what}: the weights are ZeRO-3 partitions, but DeepSpeed cannot be imported.") from error
-    with GatheredParameters(kinds["zero3"], modifier_rank=0 if write else None):
+    with deepspeed.zero.GatheredParameters(kinds["zero3"], modifier_rank=0 if write else None):
         yield
 
 

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..convert.planning import check_fit_slopes
@@ -105,15 +103,10 @@ def _factors(name: str, value: Any) -> None:
 
 
 def _deepspeed_config(name: str, value: Any) -> None:
-    if value is None:
-        return
-    try:
-        config = json.loads(Path(value).read_text())
-    except (OSError, TypeError, ValueError) as error:
-        raise ValueError(f"deepspeed must be a DeepSpeed config file (JSON), got {value!r}: {error}.") from None
-    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"deepspeed: {value!r} has zero_optimization.stage {stage!r}; use 0 to 3.")
+    if value is not None:
+        from ..train.distributed import check_deepspeed_config  # the same check as run_clm.py's
+
+        check_deepspeed_config(value)
 
 
 def _with_conversion_options(cls: type) -> type:

@@ -18,8 +18,10 @@ sharded, gathered and saved like any other.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -158,6 +160,31 @@ def deepspeed_on_cpu(args: list[str]) -> list[str]:
     return [*args, "--accelerator_config", '{"use_configured_state": true}']
 
 
+def check_deepspeed_config(path: str | os.PathLike | dict) -> dict:
+    """A DeepSpeed config that hf_alibi can honour, read (a path or a dict), or a one-line ``ValueError`` before
+    anything trains: JSON, ``zero_optimization.stage`` 0 to 3, and for ZeRO-3
+    ``stage3_gather_16bit_weights_on_model_save`` true, without which the Trainer's save writes no whole weights (only
+    DeepSpeed's partitions, to be merged with its ``zero_to_fp32.py``): the converted checkpoint ``from_pretrained``
+    reloads would not be written."""
+    config = path
+    if not isinstance(path, dict):
+        try:
+            config = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--deepspeed {str(path)!r} is not a readable JSON DeepSpeed config: {error}.") from None
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"--deepspeed: zero_optimization.stage is {stage!r}; use 0 to 3 (configs/deepspeed/).")
+    if stage == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+        raise ValueError(
+            "--deepspeed: a ZeRO-3 config without zero_optimization.stage3_gather_16bit_weights_on_model_save true "
+            "saves no whole weights, so no converted checkpoint that from_pretrained reloads: set it true "
+            "(configs/deepspeed/zero3.json does)."
+        )
+    return config
+
+
 def deepspeed_cpu_state() -> bool:
     """Where there is no GPU, make accelerate's state a DeepSpeed one on gloo (``DS_ACCELERATOR=cpu``) and return True:
     ``TrainingArguments(deepspeed=..., accelerator_config={"use_configured_state": True})`` then takes it. False
@@ -165,6 +192,9 @@ def deepspeed_cpu_state() -> bool:
     if torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
         return False
     os.environ["DS_ACCELERATOR"] = "cpu"
+    if "RANK" not in os.environ:  # one process, no launcher: a group of one (as DeepSpeed's launcher would set it)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     from accelerate import PartialState
 
     previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
@@ -177,6 +207,14 @@ def deepspeed_cpu_state() -> bool:
         else:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
     return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _is_fsdp_class(cls: type) -> bool:

@@ -204,3 +204,26 @@ def test_run_clm_on_deepspeed_gives_the_single_process_losses_and_checkpoint(sin
     shutil.rmtree(tmp_path / "ds" / "checkpoint-3")  # the last one left: checkpoint-2
     resumed = _run_clm(init, tmp_path / "ds", "--resume_from_checkpoint", "last", processes=2, deepspeed=config)
     torch.testing.assert_close(torch.tensor(resumed[-1]), torch.tensor(losses[-1]), rtol=1e-5, atol=0)
+
+
+def test_a_deepspeed_config_hf_alibi_cannot_honour_is_one_line_before_anything_is_written(tmp_path):
+    """ZeRO-3 without gathering the weights on save: the Trainer would write no whole checkpoint."""
+    config = json.loads((ROOT / "configs" / "deepspeed" / "zero3.json").read_text())
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    (tmp_path / "partitions_only.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    command = [sys.executable, SCRIPT, "--model_type", "gpt2", "--alibi", "--do_train", "--max_steps", "1",
+               "--output_dir", str(out), "--deepspeed", str(tmp_path / "partitions_only.json")]  # fmt: skip
+    env = dict(os.environ, DS_ACCELERATOR="cpu", HF_ALIBI_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "ValueError: --deepspeed: a ZeRO-3 config without" in last and "set it true" in last, last
+    assert not out.exists()
+    with pytest.raises(ValueError, match="zero_optimization.stage is 5; use 0 to 3"):
+        hf_alibi.recover.RecoverySettings(deepspeed=_written(tmp_path, {"zero_optimization": {"stage": 5}}))
+
+
+def _written(folder: Path, config: dict) -> str:
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder / "config.json")
