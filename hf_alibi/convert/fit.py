@@ -103,7 +103,7 @@ def fit_slopes(
     hooks = [module.register_forward_hook(partial(reduce, i)) for i, module in enumerate(attentions)]
     model.set_attn_implementation("eager")
     try:
-        with whole_weights(model, "fit_slopes"):  # a ZeRO-3 partition gathered; the meta device refused
+        with whole_weights(model, "fit_slopes", forward=True):  # a ZeRO-3 partition gathered; the meta device refused
             model.eval()(input_ids=ids.to(next(model.parameters()).device))
     finally:
         for hook in hooks:

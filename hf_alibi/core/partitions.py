@@ -11,8 +11,9 @@ A conversion reads weights: ``position_mean`` folds a position table's mean into
   a collective: every rank converts, as every rank loaded), and with ``write=True`` rank 0's values are the
   ones kept and partitioned again on the way out (every rank computes the same ones).
 * **FSDP2 / tensor parallel** (``DTensor``): a forward gathers what it needs itself, so a forward-only read
-  (:func:`hf_alibi.fit_slopes`) runs as it is; a conversion, which replaces modules and writes weights, is
-  refused: convert first, then shard (``fully_shard`` or ``accelerate``'s ``prepare`` after ``patch_model``).
+  (:func:`hf_alibi.fit_slopes`) runs as it is; a conversion, which replaces modules and writes weights, and any
+  other read (the GGUF export, the warm start's table) are refused: convert first, then shard (``fully_shard`` or
+  ``accelerate``'s ``prepare`` after ``patch_model``).
 * **the meta device** (a model built empty, its weights to load later): nothing to read; refused where the
   conversion reads values. A conversion that reads none (``preset=None``: the paper's method) runs, as before.
 
@@ -49,11 +50,14 @@ def whole_shape(tensor: torch.Tensor) -> torch.Size:
 
 
 @contextlib.contextmanager
-def whole_weights(model: nn.Module, what: str, *, write: bool = False, reads: bool = True) -> Iterator[None]:
+def whole_weights(
+    model: nn.Module, what: str, *, write: bool = False, reads: bool = True, forward: bool = False
+) -> Iterator[None]:
     """Every parameter of ``model`` whole on this process for the block, or a one-line ``ValueError`` (nothing
     read, nothing changed) where they cannot be: see the module's docstring. ``what`` names the caller in the
     message; ``write``: the block changes weights or modules; ``reads``: the block reads weight values (a
-    conversion that reads none runs on the meta device)."""
+    conversion that reads none runs on the meta device); ``forward``: it reads them only through the model's own
+    forward (which gathers DTensors itself)."""
     kinds: dict[str, list[torch.Tensor]] = {}
     for parameter in model.parameters():  # tied weights (GPT-2's wte and lm_head) once
         kind = partitioning(parameter)
@@ -65,10 +69,11 @@ def whole_weights(model: nn.Module, what: str, *, write: bool = False, reads: bo
             "empty): load them first (from_pretrained, or load_state_dict after to_empty), or convert with "
             "preset=None, which reads none."
         )
-    if "dtensor" in kinds and write:
+    if "dtensor" in kinds and (write or (reads and not forward)):
         raise ValueError(
-            f"{what} changes the model, but its weights are sharded DTensors (FSDP2 or tensor parallel): convert "
-            "the whole model first, then shard it (patch_model before fully_shard or accelerate's prepare)."
+            f"{what} {'changes' if write else 'reads'} the model's weights, but they are sharded DTensors (FSDP2 or "
+            "tensor parallel): use the whole model first, then shard it (patch_model before fully_shard or "
+            "accelerate's prepare)."
         )
     if "zero3" not in kinds:
         yield

@@ -78,12 +78,16 @@ def export_gguf(src, out: str | os.PathLike, outtype: str = "f32", tokenizer=Non
         writer = gguf.GGUFWriter(staging, arch)
         _write_parameters(writer, model, arch, outtype)
         _write_vocab(writer, gguf, vocab)
-        for name, tensor in _tensors(model, arch):
-            _add_tensor(writer, gguf, name, tensor, outtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        from ..core.partitions import whole_weights  # torch: not at import (the CLI's parser imports this module)
+
+        # until the tensors are written: a ZeRO-3 partition gathered; a DTensor or meta weight refused
+        with whole_weights(model, "export_gguf"):
+            for name, tensor in _tensors(model, arch):
+                _add_tensor(writer, gguf, name, tensor, outtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
         os.replace(staging, out)
     finally:
         staging.unlink(missing_ok=True)

@@ -121,7 +121,8 @@ def test_a_saved_conversion_reloads_under_zero3_with_its_weights(zero3, name):
 def test_an_fsdp2_sharded_model_is_refused_whole(zero3):
     _, out = zero3
     report = json.loads((out / "refusals.json").read_text())
-    assert report["message"] and "convert the whole model first, then shard it" in report["message"]
+    assert report["message"] and "changes the model's weights, but they are sharded DTensors" in report["message"]
+    assert "use the whole model first, then shard it" in report["message"]
     assert "\n" not in report["message"] and report["unchanged"], report
 
 
