@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -170,3 +171,10 @@ def run_python(code: str, cwd) -> subprocess.CompletedProcess:
         [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True, timeout=300,
         stdin=subprocess.DEVNULL,  # transformers asks on stdin whether to trust the checkpoint's remote code
     )  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a launcher's --master_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

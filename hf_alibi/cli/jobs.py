@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from ..convert.checkpoint import convert_checkpoint
@@ -45,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
                 args.src, args.out, args.train_file, validation_file=args.validation_file, overwrite=args.overwrite,
                 checkpoint_dir=args.checkpoint_dir, settings=settings_from_flags(args),
             )  # fmt: skip
-            if int(os.environ.get("RANK", "0")) == 0:  # several processes (DDP): rank 0 wrote it
+            from ..train.distributed import launch_rank
+
+            if launch_rank() == 0:  # several processes: rank 0 wrote it
                 print(f"Wrote the recovered ALiBi checkpoint to {out} (agreement: {result.final_line})")
         elif args.command == "export-gguf":
             from ..export.gguf import export_gguf

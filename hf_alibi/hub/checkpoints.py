@@ -445,11 +445,13 @@ def _alive(owner: dict | None) -> bool | None:
 
 def _size(folder: Path) -> str:
     total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-    for unit in ("B", "KB", "MB", "GB"):
-        if total < 1024 or unit == "GB":
-            return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
+    if total < 1024:
+        return f"{total} B"
+    for unit in ("KB", "MB"):
         total /= 1024
-    return f"{total:.1f} TB"  # pragma: no cover
+        if total < 1024:
+            return f"{total:.1f} {unit}"
+    return f"{total / 1024:.1f} GB"
 
 
 __all__ = [

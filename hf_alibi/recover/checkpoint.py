@@ -53,7 +53,7 @@ def recover_checkpoint(
         >>> recover_checkpoint("my-gpt2", "gpt2-alibi", "notes.txt", settings=RecoverySettings(max_steps=300))
     """
     # on use: hf_alibi.recover loads transformers' Trainer, which the other jobs do not need
-    from ..train.distributed import check_launch, end_launch, launch_rank
+    from ..train.distributed import check_launch, close_process_group, launch_rank
     from .api import recover
     from .blocks import read_texts, token_stream
     from .lengths import check_text_length, resolve_lengths
@@ -132,7 +132,7 @@ def recover_checkpoint(
             (staging / "recovery.json").write_text(
                 json.dumps({"info": result.info, "history": result.history}, indent=2, default=str) + "\n"
             )
-    end_launch()  # every rank waits for OUT, then the process group closes cleanly
+    close_process_group()  # every rank waits for OUT, then the process group closes cleanly
     return out, result
 
 

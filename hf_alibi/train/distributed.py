@@ -90,13 +90,12 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):  # every rank: all-gathers the partitions
             state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-        copy = type(model)(model.config)  # a plain constructor: not under zero.Init
-        copy.load_state_dict(state, strict=True)
-        return copy.to(next(iter(state.values())).device).eval()
-    if not is_fsdp2(model):
+        base = type(model)  # a plain constructor below: not under zero.Init
+    elif is_fsdp2(model):
+        state = full_state_dict(model)
+        base = next(cls for cls in type(model).__mro__ if not _is_fsdp_class(cls))
+    else:
         return model
-    state = full_state_dict(model)
-    base = next(cls for cls in type(model).__mro__ if not _is_fsdp_class(cls))
     device = next(iter(state.values())).device
     copy = base(model.config)  # on the CPU, not meta: non-persistent buffers are not in the state dict
     copy.load_state_dict(state, strict=True)
@@ -125,16 +124,6 @@ def check_launch(deepspeed_config: str | None = None) -> None:
             "in one process, in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover ...), or with "
             "--deepspeed configs/deepspeed/zero3.json (ZeRO-2 / ZeRO-3). Launch it so."
         )
-
-
-def end_launch() -> None:
-    """The end of a job in several processes: every rank waits for the others (rank 0 writes what they made), then
-    the process group closes (:func:`close_process_group`'s reasons); nothing in one process."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    torch.distributed.barrier()
-    time.sleep(0.2)  # the GIL released: gloo's workers finish dropping their last work
-    torch.distributed.destroy_process_group()
 
 
 def is_zero3(model: nn.Module) -> bool:
@@ -223,14 +212,20 @@ def _is_fsdp_class(cls: type) -> bool:
     return issubclass(cls, FSDPModule)
 
 
-def close_process_group(accelerator) -> None:
-    """End a distributed run cleanly. Without this, a gloo (CPU) run failed about one time in eight as it exited:
-    a rank aborted ("terminate called without an active exception"), or hung in ``~ProcessGroupGloo``, which joins
-    its worker threads under the GIL while a worker, dropping its last collective's tensors, waits for the GIL.
-    So every rank waits for the others (no collective in flight), gives the workers a moment with the GIL free to
-    drop what they hold, and closes the group."""
+def close_process_group(accelerator=None) -> None:
+    """End a distributed run cleanly (``accelerator``: the run's, whose trackers end too; None: the bare group, as
+    ``hf-alibi recover`` on several processes, whose rank 0 writes OUT while the others wait here). Without this, a
+    gloo (CPU) run failed about one time in eight as it exited: a rank aborted ("terminate called without an active
+    exception"), or hung in ``~ProcessGroupGloo``, which joins its worker threads under the GIL while a worker,
+    dropping its last collective's tensors, waits for the GIL. So every rank waits for the others (no collective in
+    flight), gives the workers a moment with the GIL free to drop what they hold, and closes the group. Nothing in one
+    process."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    accelerator.wait_for_everyone()
+    if accelerator is not None:  # end_training: its trackers, then destroy_process_group
+        wait, close = accelerator.wait_for_everyone, accelerator.end_training
+    else:
+        wait, close = torch.distributed.barrier, torch.distributed.destroy_process_group
+    wait()
     time.sleep(0.2)  # the GIL released: gloo's workers finish dropping their last work
-    accelerator.end_training()  # destroy_process_group
+    close()

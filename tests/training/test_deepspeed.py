@@ -10,7 +10,6 @@ also reloads a saved conversion under ``zero.Init`` and tries to convert an FSDP
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,17 +27,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import deepspeed_worker as worker  # noqa: E402
 from arch_cases import CASES, NATIVE_CASES  # noqa: E402
+from sharing import free_port  # noqa: E402
 
 # absolute (tied, offset, encoder tables: BERT's and RoBERTa's padding rows), rotary (full, partial), relative,
 # and a model trained with ALiBi (its check reads the fused projection's shape)
 CONVERTED = ["gpt2", "opt", "bert", "roberta", "llama", "gpt_neox", "t5"]
 NATIVE = ["falcon-rw-6"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _original(name: str) -> transformers.PreTrainedModel:
@@ -60,7 +54,7 @@ def zero3(tmp_path_factory):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     worker_script = str(ROOT / "tests" / "deepspeed_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), worker_script, str(out), str(src), *CONVERTED, *NATIVE]  # fmt: skip
+               str(free_port()), worker_script, str(out), str(src), *CONVERTED, *NATIVE]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return src, out
@@ -156,7 +150,7 @@ def _run_clm(init: Path, out: Path, *extra: str, processes: int = 1, deepspeed: 
                HF_DATASETS_CACHE=str(init / "cache" / "ds"), DS_ACCELERATOR="cpu")  # fmt: skip
     command = [sys.executable, SCRIPT] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-        str(_free_port()), SCRIPT]  # fmt: skip
+        str(free_port()), SCRIPT]  # fmt: skip
     command += ["--model_name_or_path", str(init / "model"), *TRAIN, "--output_dir", str(out), *extra]
     command += ["--per_device_train_batch_size", str(8 // processes)]
     command += ["--use_cpu"] if deepspeed is None else ["--deepspeed", str(ROOT / "configs" / "deepspeed" / deepspeed)]

@@ -16,7 +16,6 @@ The launch itself (``run_clm.py --alibi`` sharded over 2 processes, both checkpo
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from sharing import free_port
 
 import hf_alibi
 
@@ -44,12 +44,6 @@ CASES = [
 HEADS = 4  # every tiny config's
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env(tmp_path: Path) -> dict:
     return dict(
         os.environ,
@@ -64,7 +58,7 @@ def _env(tmp_path: Path) -> dict:
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(_free_port()), WORKER, str(out), *(case for case, _, _ in CASES)]
+    command += ["--master_port", str(free_port()), WORKER, str(out), *(case for case, _, _ in CASES)]
     result = subprocess.run(command, capture_output=True, text=True, env=_env(out), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return out, json.loads((out / "report.json").read_text())
@@ -162,7 +156,7 @@ def _launch(args, tmp_path, port) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("use_cpu", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["use_cpu", "no-use_cpu"])
 def test_accelerate_fsdp_launch_on_cpus_is_refused(tmp_path, use_cpu):
     extra = ["--use_cpu"] if use_cpu else []
-    result = _launch(([], [*extra, "--max_steps", "2", "--output_dir", str(tmp_path / "out")]), tmp_path, _free_port())
+    result = _launch(([], [*extra, "--max_steps", "2", "--output_dir", str(tmp_path / "out")]), tmp_path, free_port())
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith(("ValueError", "[rank0]: ValueError"))]
     assert errors, result.stderr[-3000:]
@@ -184,7 +178,7 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     script_args += ["--validation_file", str(tmp_path / "validation.txt"), "--eval_lengths", "32,64,128"]
     script_args += ["--max_eval_tokens", "500", "--eval_stride", "16"]
     script_args += ["--export_gguf", "f32"]  # the whole model is gathered on every rank, rank 0 writes the file
-    result = _launch((accelerate_args, script_args), tmp_path, _free_port())
+    result = _launch((accelerate_args, script_args), tmp_path, free_port())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "would train with" not in result.stderr
 

@@ -5,7 +5,6 @@ import copy
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from sharing import folder_hash, last_json_line, make_tokenizer, run_child, run_cli
+from sharing import folder_hash, free_port, last_json_line, make_tokenizer, run_child, run_cli
 from tiny import VOCAB, random_ids, tiny_bert, tiny_gpt2
 from transformers import TrainingArguments
 
@@ -464,7 +463,7 @@ def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), "-m", "hf_alibi", "recover", str(src), str(out), "--train_file", str(text),
+               str(free_port()), "-m", "hf_alibi", "recover", str(src), str(out), "--train_file", str(text),
                "--max_steps", "4", "--batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
     if launch != "ddp":
         command += ["--deepspeed", str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / launch)]
@@ -485,12 +484,6 @@ def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path
     assert saved.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(saved[key], want[key], rtol=0, atol=1e-5, msg=key)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])

@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from itertools import chain
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sharing import free_port
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_alibi
@@ -25,12 +25,6 @@ COMMON += ["--tokenizer_vocab_size", "512", "--save_strategy", "no", "--eval_len
 
 def _env(cache):
     return dict(os.environ, HF_ALIBI_CACHE=str(cache), HF_DATASETS_CACHE=str(cache / "datasets"))
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(args, cache, launcher=(sys.executable,), stderr: list | None = None):
@@ -124,7 +118,7 @@ def test_run_clm_two_processes_ddp(tmp_path):
     # accelerate 1.15: `--cpu --num_processes 2` runs ONE process (its multi-CPU path is mpirun); on a
     # machine without GPUs `--multi_gpu` launches torchrun ranks that use gloo on the CPU.
     launcher = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1")
-    launcher += ("--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()))
+    launcher += ("--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()))
     _run(
         [SCRIPT, *TINY, "--alibi", *COMMON, "--block_size", "32", "--do_train", "--use_cpu", "--output_dir", str(out)]
         + ["--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "validation.txt")]
