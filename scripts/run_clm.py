@@ -65,7 +65,7 @@ from hf_alibi.train.distributed import (
     check_deepspeed_config,
     close_process_group,
     deepspeed_on_cpu,
-    fsdp_requested,
+    fsdp_on_cpu,
     fsdp_requested_but_not_used,
     is_fsdp2,
     unsharded_copy,
@@ -182,8 +182,8 @@ def main():
         check_deepspeed_config(training_args.deepspeed)
     set_seed(training_args.seed)
     not_fsdp = fsdp_requested_but_not_used(training_args.distributed_state.distributed_type)
-    if not_fsdp and training_args.distributed_state.distributed_type.value in ("MULTI_CPU", "NO"):
-        raise ValueError(not_fsdp)  # before the data: a CPU launch never becomes FSDP
+    if not_fsdp and training_args.distributed_state.distributed_type.value == "NO":
+        raise ValueError(not_fsdp)  # before the data: independent processes never become FSDP
 
     resume_from_checkpoint = training_args.resume_from_checkpoint
     if training_args.do_train and resume_from_checkpoint is not None:
@@ -349,6 +349,7 @@ def main():
         )
     else:
         trainer = LengthScalingTrainer(**common, train_sequence_length_scaling=data_args.train_sequence_length_scaling)
+    fsdp_on_cpu(trainer)  # FSDP asked on CPUs (--fsdp, or accelerate's FSDP config with --use_cpu): FSDP2 on gloo
     not_fsdp = fsdp_requested_but_not_used(trainer.accelerator.distributed_type)
     if not_fsdp:
         raise ValueError(not_fsdp)
@@ -357,7 +358,7 @@ def main():
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         trainer.save_model()
-        if fsdp_requested() and is_fsdp2(trainer.model):
+        if is_fsdp2(trainer.model):
             sharded_only = "FULL_STATE_DICT" not in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
             gathered = unsharded_copy(trainer.model)  # every rank: all-gathers the shards
             if sharded_only and training_args.should_save:

@@ -20,7 +20,15 @@ from ..core.config import get_settings
 from ..core.names import is_alibi
 from ..core.settings import FIT_TOKENS
 from ..hub.compat import name_or_path
-from ..train.distributed import deepspeed_cpu_state, is_zero3, launch_world, unsharded_copy
+from ..train.distributed import (
+    FSDP2_CONFIG,
+    deepspeed_cpu_state,
+    fsdp_on_cpu,
+    is_fsdp2,
+    is_zero3,
+    launch_world,
+    unsharded_copy,
+)
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
 from .kinds import CAUSAL_MODEL, ENCODER_MODEL, SEQ2SEQ_MODEL, model_kind
 from .lengths import check_text_length, resolve_lengths
@@ -141,9 +149,9 @@ def recover(
     tokens_per_step = processes * batch_size * length
 
     def evaluate(step: int) -> None:
-        # ZeRO-3: on a gathered copy (every rank; a forward of the partitioned student outside the engine's step
-        # leaves its prefetching out of order: the next training step hung)
-        student_now = unsharded_copy(trained) if is_zero3(trained) else trained
+        # ZeRO-3 and FSDP2: on a gathered copy (every rank; a forward of the partitioned student outside the
+        # engine's step left its prefetching out of order: the next training step hung)
+        student_now = unsharded_copy(trained) if is_zero3(trained) or is_fsdp2(trained) else trained
         figures = agreement(student_now, teacher, eval_stream, length, eval_factors, kind, frame)
         history.append({"step": step, "tokens": step * tokens_per_step, **figures})
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
@@ -246,6 +254,8 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
         extra = {"deepspeed": settings.deepspeed}
         if deepspeed_cpu_state():
             extra["accelerator_config"] = {"use_configured_state": True}
+    elif settings.fsdp:  # the student sharded (FSDP2); on CPUs made FSDP over gloo once the Trainer is (fsdp_on_cpu)
+        extra = {"fsdp": "full_shard", "fsdp_config": FSDP2_CONFIG}
     args = TrainingArguments(
         output_dir=output_dir or scratch.name,
         max_steps=max_steps,
@@ -273,6 +283,7 @@ def _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings: Reco
     )  # fmt: skip
     if not settings.progress:
         trainer.remove_callback(PrinterCallback)
+    fsdp_on_cpu(trainer)
     return trainer, scratch
 
 

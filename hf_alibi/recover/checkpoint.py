@@ -92,7 +92,7 @@ def recover_checkpoint(
             f"SRC {src!r} has no tokenizer files; recover needs the model's tokenizer to read the text."
         )
     try:  # one process, or several with DDP (torchrun); a sharded launch refused before anything loads
-        check_launch(settings.deepspeed)
+        check_launch(settings.deepspeed, settings.fsdp)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     main = launch_rank() == 0  # several processes: rank 0 alone stages and writes OUT, the others train with it

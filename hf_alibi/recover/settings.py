@@ -257,6 +257,14 @@ class RecoverySettings:
         flag={"type": str, "metavar": "CONFIG", "help": "DeepSpeed config (ZeRO-2 / ZeRO-3; docs/recovery.md)"},
         check=_deepspeed_config,
     )
+    fsdp: bool = setting(
+        False,
+        "FSDP2 (torch's fully_shard, through the Trainer: configs/fsdp/fsdp2.json): the student's weights, gradients "
+        "and optimizer state sharded over the processes (each module of the model's _no_split_modules one unit), the "
+        "teacher whole on every process. Launch several processes (torchrun); on CPUs over gloo. Not with lora_rank "
+        "or deepspeed.",
+        flag={"action": "store_true", "help": "FSDP2 over the launched processes (docs/recovery.md)"},
+    )
     seed: int = setting(0, "The Trainer's seed.", flag={"type": int})
     progress: bool = setting(True, "The Trainer's progress bar.")
     output_dir: str | None = setting(
@@ -398,11 +406,14 @@ def check_settings(
             f"max_eval_length {max_eval_length} is shorter than the training length {effective}: pass at least "
             f"{effective} (--max_eval_length)."
         )
-    if settings.deepspeed and settings.lora_rank:
+    sharding = "deepspeed" if settings.deepspeed else "fsdp" if settings.fsdp else None
+    if sharding and settings.lora_rank:
         raise ValueError(
-            "lora_rank does not run with deepspeed yet (its adapters would be merged from partitioned weights): "
-            "train every weight (lora_rank 0), or distil LoRA adapters without --deepspeed."
+            f"lora_rank does not run with {sharding} yet (its adapters would be merged from partitioned weights): "
+            f"train every weight (lora_rank 0), or distil LoRA adapters without --{sharding}."
         )
+    if settings.deepspeed and settings.fsdp:
+        raise ValueError("deepspeed and fsdp both shard the student: choose one (--deepspeed CONFIG or --fsdp).")
     if settings.save_steps and not settings.output_dir:
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")
     check_fit_slopes(settings.fit_slopes, settings.conversion_options())

@@ -1,8 +1,11 @@
 """Sharded (FSDP) training of ALiBi models: what a training script needs besides accelerate.
 
-* :func:`fsdp_requested_but_not_used`: accelerate 1.15 turns an FSDP config into FSDP only on GPUs (and
-  other accelerators); on CPUs the same launch silently trains with DDP over gloo (``--use_cpu``) or as
-  independent single processes. The message says so, and what to launch instead.
+* :func:`fsdp_on_cpu`: accelerate 1.15 turns an FSDP config into FSDP only on GPUs (and other accelerators); on
+  CPUs the same launch (the Trainer's ``--fsdp``, or ``accelerate launch`` with an FSDP config and ``--use_cpu``)
+  would silently train with DDP over gloo. It makes the Trainer's accelerator an FSDP2 one there, as accelerate does
+  on GPUs (its own ``fully_shard`` wrapping and checkpoint code then run on gloo).
+* :func:`fsdp_requested_but_not_used`: what is still not FSDP although the launcher asked (a launch that started
+  independent single processes): the message says so, and what to launch instead.
 * :func:`unsharded_copy`: a plain (unsharded) copy of an FSDP2 model on every rank, for work where the
   ranks run different forwards (the evaluation at many lengths shares its windows between ranks; an
   FSDP2 forward is a collective that every rank must enter with the same shapes).
@@ -25,6 +28,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+# the Trainer's fsdp_config for FSDP2 (configs/fsdp/fsdp2.json; tests/training/test_fsdp.py checks they agree): every
+# module of the model's _no_split_modules its own unit, whole weights on save (a checkpoint from_pretrained reloads)
+FSDP2_CONFIG = {
+    "version": 2,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "reshard_after_forward": True,
+    "state_dict_type": "FULL_STATE_DICT",
+}
 
 
 def fsdp_requested() -> bool:
@@ -51,9 +63,42 @@ def fsdp_requested_but_not_used(distributed_type) -> str | None:
     return (
         f"accelerate was launched with FSDP, but these {world} processes would train with {instead} "
         f"(distributed_type {name}): accelerate {_accelerate_version()} turns an FSDP config into FSDP on GPUs "
-        "and other accelerators only, never on CPUs. Launch it on GPUs (without --use_cpu), or train on CPUs "
-        "with DDP: `accelerate launch --multi_gpu --num_processes 2 scripts/run_clm.py --use_cpu ...`."
+        "only; on CPUs hf_alibi does it for a launch of several processes over gloo. Launch it on GPUs (without "
+        "--use_cpu), or on CPUs with --use_cpu (accelerate launch --config_file configs/accelerate/fsdp2.yaml "
+        "--use_cpu ...), or with torchrun --nproc_per_node N and the Trainer's --fsdp."
     )
+
+
+def fsdp_asked(trainer) -> bool:
+    """The run asks for FSDP: the Trainer's ``fsdp`` argument, or the launcher's FSDP config."""
+    return trainer.args.fsdp_plugin_args is not None or fsdp_requested()
+
+
+def fsdp_on_cpu(trainer) -> bool:
+    """Where FSDP was asked (:func:`fsdp_asked`) and accelerate left it out because there is no GPU, on several
+    processes over gloo: make ``trainer``'s accelerator an FSDP2 one, with the Trainer's plugin (or the launcher's,
+    from its environment), as accelerate does on GPUs, and return True. Call it after the Trainer is made and before
+    it trains. False (nothing changed) elsewhere: on GPUs, in one process (as on GPUs: no FSDP there), or where the
+    run is FSDP already. One-line ``ValueError`` for FSDP1 (``fsdp_version: 1``), which gloo does not run."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if torch.cuda.is_available() or not fsdp_asked(trainer) or state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    arguments = trainer.args.fsdp_plugin_args
+    plugin = FullyShardedDataParallelPlugin(**arguments) if arguments is not None else FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            f"FSDP on CPUs runs FSDP2 only (torch's fully_shard), got fsdp_version {plugin.fsdp_version}: set "
+            "fsdp_version 2 (--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config)."
+        )
+    # what accelerate's AcceleratorState does on GPUs: the state's type (it is shared with PartialState) and plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+    return True
 
 
 def _accelerate_version() -> str:
@@ -112,17 +157,17 @@ def launch_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_launch(deepspeed_config: str | None = None) -> None:
-    """One-line ``ValueError`` where ``hf-alibi recover`` is launched to shard in a way it does not: FSDP, or DeepSpeed
-    without its ``--deepspeed CONFIG``. It runs in one process, in several with DDP (``torchrun --nproc_per_node N -m
-    hf_alibi recover ...``), or with ``--deepspeed`` (ZeRO-2 / ZeRO-3: the student partitioned, the teacher whole on
-    every process)."""
+def check_launch(deepspeed_config: str | None = None, fsdp: bool = False) -> None:
+    """One-line ``ValueError`` where ``hf-alibi recover`` is launched to shard in a way it was not told: FSDP without
+    its ``--fsdp``, or DeepSpeed without its ``--deepspeed CONFIG``. It runs in one process, in several with DDP
+    (``torchrun --nproc_per_node N -m hf_alibi recover ...``), with ``--fsdp`` (FSDP2) or with ``--deepspeed``
+    (ZeRO-2 / ZeRO-3): the student sharded or partitioned, the teacher whole on every process."""
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if fsdp_requested() or (deepspeed and deepspeed_config is None):
+    if (fsdp_requested() and not fsdp) or (deepspeed and deepspeed_config is None):
         raise ValueError(
             f"hf-alibi recover was launched with {'DeepSpeed' if deepspeed else 'FSDP'} and no config of it: it runs "
-            "in one process, in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover ...), or with "
-            "--deepspeed configs/deepspeed/zero3.json (ZeRO-2 / ZeRO-3). Launch it so."
+            "in one process, in several with DDP (torchrun --nproc_per_node N -m hf_alibi recover ...), with --fsdp "
+            "(FSDP2) or with --deepspeed configs/deepspeed/zero3.json (ZeRO-2 / ZeRO-3). Launch it so."
         )
 
 

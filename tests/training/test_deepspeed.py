@@ -153,7 +153,12 @@ def _run_clm(init: Path, out: Path, *extra: str, processes: int = 1, deepspeed: 
         str(free_port()), SCRIPT]  # fmt: skip
     command += ["--model_name_or_path", str(init / "model"), *TRAIN, "--output_dir", str(out), *extra]
     command += ["--per_device_train_batch_size", str(8 // processes)]
-    command += ["--use_cpu"] if deepspeed is None else ["--deepspeed", str(ROOT / "configs" / "deepspeed" / deepspeed)]
+    if deepspeed is None:
+        command += ["--use_cpu"]
+    elif deepspeed == "fsdp2":  # the Trainer's own FSDP arguments, FSDP2 on gloo (train.distributed.fsdp_on_cpu)
+        command += ["--use_cpu", "--fsdp", "full_shard", "--fsdp_config", str(ROOT / "configs/fsdp/fsdp2.json")]
+    else:
+        command += ["--deepspeed", str(ROOT / "configs" / "deepspeed" / deepspeed)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -184,13 +189,15 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("config", ["zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config", ["zero3.json", "fsdp2", pytest.param("zero2.json", marks=pytest.mark.slow)])
 def test_run_clm_on_deepspeed_gives_the_single_process_losses_and_checkpoint(single_run, tmp_path, config):
     init, single, expected = single_run
     losses = _run_clm(init, tmp_path / "ds", processes=2, deepspeed=config)
     assert len(losses) == len(expected) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     assert losses[-1] < losses[0]  # it trained (lr 1e-3)
+    if config == "fsdp2":  # sharded, not DDP: the Trainer's FSDP checkpoint file (FULL_STATE_DICT)
+        assert (tmp_path / "ds" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()
     saved, want = _weights(tmp_path / "ds"), _weights(single)  # the whole model, gathered on save
     assert saved.keys() == want.keys()
     for key in want:

@@ -1,16 +1,17 @@
 """Sharded training (FSDP2) of ALiBi models: on CPUs with gloo, and through ``accelerate launch`` on GPUs.
 
 accelerate 1.15 never selects FSDP on CPUs (its ``AcceleratorState`` upgrades only GPU-like distributed
-types to FSDP), so on a CPU-only machine:
+types to FSDP); hf_alibi makes the Trainer's accelerator an FSDP2 one there (``train.distributed.fsdp_on_cpu``):
 
 * ``tests/fsdp_worker.py`` runs accelerate's own FSDP2 wrapping (``fsdp2_prepare_model``) and checkpoint
   code (``save_fsdp_model`` / ``load_fsdp_model``) under ``torchrun`` with 2 gloo ranks, against an
-  unsharded reference trained in the same process;
-* ``accelerate launch`` with ``configs/accelerate/fsdp2.yaml`` must stop with a clear error instead of
-  silently training with DDP (``--use_cpu``) or as independent processes.
+  unsharded reference trained in the same process, per architecture;
+* ``accelerate launch`` of ``run_clm.py --alibi`` with ``configs/accelerate/fsdp2.yaml`` runs FSDP2: on CPUs with
+  ``--use_cpu`` (sharded checkpoints here, whole ones in the slow tier), on GPUs as the ``gpu`` test; without
+  ``--use_cpu`` on a CPU-only machine (independent processes) it stops with a clear error.
 
-The launch itself (``run_clm.py --alibi`` sharded over 2 processes, both checkpoint formats) is the
-``gpu`` test at the end.
+The losses against one process: ``tests/training/test_deepspeed.py`` (run_clm.py, ``fsdp2`` beside ZeRO) and
+``tests/training/test_recover.py`` (``hf-alibi recover --fsdp``).
 """
 
 import json
@@ -153,28 +154,38 @@ def _launch(args, tmp_path, port) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-@pytest.mark.parametrize("use_cpu", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["use_cpu", "no-use_cpu"])
-def test_accelerate_fsdp_launch_on_cpus_is_refused(tmp_path, use_cpu):
-    extra = ["--use_cpu"] if use_cpu else []
-    result = _launch(([], [*extra, "--max_steps", "2", "--output_dir", str(tmp_path / "out")]), tmp_path, free_port())
+@pytest.mark.slow
+def test_accelerate_fsdp_launch_of_independent_processes_on_cpus_is_refused(tmp_path):
+    """Without --use_cpu on a machine without GPUs, accelerate starts independent single processes: refused."""
+    result = _launch(([], ["--max_steps", "2", "--output_dir", str(tmp_path / "out")]), tmp_path, free_port())
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith(("ValueError", "[rank0]: ValueError"))]
     assert errors, result.stderr[-3000:]
     message = errors[0]
-    instead = "DDP over gloo" if use_cpu else "each process alone"
-    assert "accelerate was launched with FSDP, but these 2 processes would train with " + instead in message
-    assert "never on CPUs" in message and "--multi_gpu" in message
+    assert "accelerate was launched with FSDP, but these 2 processes would train with each process alone" in message
+    assert "--use_cpu" in message
     assert not (tmp_path / "out").exists()  # refused before any data or weights were written
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate runs FSDP on GPUs only")
-@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+GPU = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not installed")
+@pytest.mark.parametrize(
+    "state_dict_type",
+    [
+        pytest.param("SHARDED_STATE_DICT", marks=[pytest.mark.gpu] if GPU else []),
+        pytest.param("FULL_STATE_DICT", marks=pytest.mark.gpu if GPU else pytest.mark.slow),
+    ],
+)
 def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
-    processes = min(2, torch.cuda.device_count())
+    """On GPUs as accelerate runs it; on CPUs with --use_cpu, FSDP2 over gloo (train.distributed.fsdp_on_cpu), where
+    accelerate alone would train DDP."""
+    processes = min(2, torch.cuda.device_count()) if GPU else 2
     out = tmp_path / "out"
     accelerate_args = ["--num_processes", str(processes), "--fsdp_state_dict_type", state_dict_type]
-    script_args = ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(out)]
+    script_args = [] if GPU else ["--use_cpu"]  # the Trainer's: with accelerate's FSDP config, DDP over gloo before
+    script_args += ["--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--output_dir", str(out)]
     script_args += ["--validation_file", str(tmp_path / "validation.txt"), "--eval_lengths", "32,64,128"]
     script_args += ["--max_eval_tokens", "500", "--eval_stride", "16"]
     script_args += ["--export_gguf", "f32"]  # the whole model is gathered on every rank, rank 0 writes the file
@@ -210,3 +221,10 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     again = evaluate_perplexity(model, ids, 128, 16)
     got = results["splits"]["validation"]["sliding"]["128"]["perplexity"]
     assert again["perplexity"] == pytest.approx(got, rel=1e-4)
+
+
+def test_the_fsdp2_config_file_is_the_one_recover_uses():
+    """configs/fsdp/fsdp2.json (run_clm.py's --fsdp_config in the docs) and recover --fsdp's Trainer config agree."""
+    from hf_alibi.train.distributed import FSDP2_CONFIG
+
+    assert json.loads((ROOT / "configs" / "fsdp" / "fsdp2.json").read_text()) == FSDP2_CONFIG

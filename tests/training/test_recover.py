@@ -451,13 +451,14 @@ def test_run_clm_distill_needs_the_original_and_alibi():
         run_clm.ModelArguments(model_name_or_path="x", distill_from_original=True)
 
 
-@pytest.mark.parametrize("launch", ["ddp", "zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("launch", ["ddp", "fsdp", "zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)])
 def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path, launch):
-    """``torchrun --nproc_per_node 2 -m hf_alibi recover`` with DDP, or with ``--deepspeed`` (ZeRO-3: the student
-    partitioned, the teacher whole on each rank), 2 blocks a step on each rank, against the fixture's one process of 4
-    (the same 4 blocks a step: accelerate gives rank r the r-th batch of each pair; no dropout): the same agreement
-    history and weights, within what the ranks' reduced sums change; rank 0 alone wrote OUT."""
-    if launch != "ddp":
+    """``torchrun --nproc_per_node 2 -m hf_alibi recover`` with DDP, ``--fsdp`` (FSDP2 over gloo) or ``--deepspeed``
+    (ZeRO-3: the student partitioned, the teacher whole on each rank), 2 blocks a step on each rank, against the
+    fixture's one process of 4 (the same 4 blocks a step: accelerate gives rank r the r-th batch of each pair; no
+    dropout): the same agreement history and weights, within what the ranks' reduced sums change; rank 0 alone wrote
+    OUT."""
+    if launch.endswith(".json"):
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     (src, text), (_, expected_out, expected) = source, recovered
     out = tmp_path / "ddp"
@@ -465,12 +466,17 @@ def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "hf_alibi", "recover", str(src), str(out), "--train_file", str(text),
                "--max_steps", "4", "--batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
-    if launch != "ddp":
+    if launch.endswith(".json"):
         command += ["--deepspeed", str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / launch)]
+    elif launch == "fsdp":  # checkpoints too: the Trainer's FSDP save (whole weights, sharded optimizer state)
+        command += ["--fsdp", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--save_steps", "2"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert result.stdout.count("Wrote the recovered ALiBi checkpoint") == 1  # rank 0's line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp"]  # no staging folder of any rank left
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == (["checkpoints", "ddp"] if launch == "fsdp" else ["ddp"])  # no staging folder of any rank left
+    if launch == "fsdp":  # sharded, not DDP: FSDP's checkpoint files
+        assert (tmp_path / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()
     recovery = json.loads((out / "recovery.json").read_text())
     assert recovery["info"]["processes"] == 2 and recovery["info"]["tokens"] == expected.info["tokens"]
     assert [h["step"] for h in recovery["history"]] == [h["step"] for h in expected.history]
@@ -507,3 +513,7 @@ def test_a_deepspeed_setting_that_cannot_run_is_one_line(tmp_path):
     zero3 = str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero3.json")
     with pytest.raises(ValueError, match="lora_rank does not run with deepspeed yet"):
         check_settings(64, deepspeed=zero3, lora_rank=4)
+    with pytest.raises(ValueError, match="lora_rank does not run with fsdp yet"):
+        check_settings(64, fsdp=True, lora_rank=4)
+    with pytest.raises(ValueError, match="deepspeed and fsdp both shard the student: choose one"):
+        check_settings(64, deepspeed=zero3, fsdp=True)
