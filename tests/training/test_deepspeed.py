@@ -189,14 +189,16 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("config", ["zero3.json", "fsdp2", pytest.param("zero2.json", marks=pytest.mark.slow)])
-def test_run_clm_on_deepspeed_gives_the_single_process_losses_and_checkpoint(single_run, tmp_path, config):
+@pytest.mark.parametrize("launch", ["ddp", "zero3.json", "fsdp2", pytest.param("zero2.json", marks=pytest.mark.slow)])
+def test_run_clm_in_two_processes_gives_the_single_process_losses_and_checkpoint(single_run, tmp_path, launch):
+    """DDP, ZeRO-3, FSDP2 and ZeRO-2 (slow; .ci/run runs it) against one process."""
     init, single, expected = single_run
+    config = None if launch == "ddp" else launch
     losses = _run_clm(init, tmp_path / "ds", processes=2, deepspeed=config)
     assert len(losses) == len(expected) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     assert losses[-1] < losses[0]  # it trained (lr 1e-3)
-    if config == "fsdp2":  # sharded, not DDP: the Trainer's FSDP checkpoint file (FULL_STATE_DICT)
+    if launch == "fsdp2":  # sharded, not DDP: the Trainer's FSDP checkpoint file (FULL_STATE_DICT)
         assert (tmp_path / "ds" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()
     saved, want = _weights(tmp_path / "ds"), _weights(single)  # the whole model, gathered on save
     assert saved.keys() == want.keys()
