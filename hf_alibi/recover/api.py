@@ -27,6 +27,7 @@ from ..train.distributed import (
     is_fsdp2,
     is_zero3,
     launch_world,
+    shard_for_inference,
     unsharded_copy,
 )
 from .blocks import NO_FRAME, Blocks, as_stream, frame_rows, frame_size, framed_blocks, mlm_collator, special_frame
@@ -161,6 +162,8 @@ def recover(
     teacher.eval()
     evaluate(0)
     trainer, scratch = _trainer(trained, teacher, blocks, tokenizer, kind, evaluate, settings, learning_rate)
+    if settings.shard_teacher and launch_world() > 1:  # FSDP2 over the Trainer's process group, in place
+        shard_for_inference(teacher)
     start = time.perf_counter()
     try:
         trainer.train(resume_from_checkpoint=settings.resume_from_checkpoint)
@@ -183,6 +186,7 @@ def recover(
         "steps": max_steps,
         "batch_size": batch_size,
         "processes": processes,
+        "teacher_sharded": bool(settings.shard_teacher and processes > 1),
         "length": length,
         "tokens": max_steps * tokens_per_step,
         "train_tokens_available": int(len(blocks) * length),

@@ -265,6 +265,16 @@ class RecoverySettings:
         "or deepspeed.",
         flag={"action": "store_true", "help": "FSDP2 over the launched processes (docs/recovery.md)"},
     )
+    shard_teacher: bool = setting(
+        False,
+        "With fsdp: the teacher sharded over the processes too (FSDP2, each forward gathering one layer at a time), "
+        "for a teacher too large for one device; default: whole on every process (no gathering per step). "
+        "recover() shards the teacher it is given in place: pass a copy to keep yours whole.",
+        flag={
+            "action": "store_true",
+            "help": "with --fsdp: shard the teacher too (too large for one device)",
+        },
+    )
     seed: int = setting(0, "The Trainer's seed.", flag={"type": int})
     progress: bool = setting(True, "The Trainer's progress bar.")
     output_dir: str | None = setting(
@@ -414,6 +424,11 @@ def check_settings(
         )
     if settings.deepspeed and settings.fsdp:
         raise ValueError("deepspeed and fsdp both shard the student: choose one (--deepspeed CONFIG or --fsdp).")
+    if settings.shard_teacher and not settings.fsdp:
+        raise ValueError(
+            "shard_teacher shards the teacher with FSDP2 over the processes of fsdp: add --fsdp (a ZeRO-3 teacher is "
+            "not built: under --deepspeed the teacher is whole on every process)."
+        )
     if settings.save_steps and not settings.output_dir:
         raise ValueError("save_steps needs output_dir (where the Trainer checkpoints go).")
     check_fit_slopes(settings.fit_slopes, settings.conversion_options())

@@ -101,6 +101,25 @@ def fsdp_on_cpu(trainer) -> bool:
     return True
 
 
+def shard_for_inference(model: nn.Module) -> nn.Module:
+    """``model`` sharded in place with FSDP2 over the default process group, for forwards only (a frozen teacher too
+    large for one device): ``fully_shard`` on each module named in its ``_no_split_modules`` that does not hold the
+    input embeddings, then on the root (tied embeddings stay in the root's group: accelerate 1.15's own wrapping
+    shards BERT's twice and splits T5's). Each forward then gathers one unit at a time, on every rank together."""
+    from torch.distributed.fsdp import fully_shard
+
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in names and all(m is not embeddings for m in module.modules()):
+            fully_shard(module)
+    fully_shard(model)
+    # FSDP2 keeps the root's own parameters (the embeddings) gathered after a forward, for the backward that follows;
+    # a teacher has none: shard them again after each forward
+    model.register_forward_hook(lambda module, args, output: module.reshard())
+    return model
+
+
 def _accelerate_version() -> str:
     try:
         import accelerate

@@ -451,7 +451,9 @@ def test_run_clm_distill_needs_the_original_and_alibi():
         run_clm.ModelArguments(model_name_or_path="x", distill_from_original=True)
 
 
-@pytest.mark.parametrize("launch", ["ddp", "fsdp", "zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "launch", ["ddp", "fsdp", "fsdp-teacher", "zero3.json", pytest.param("zero2.json", marks=pytest.mark.slow)]
+)
 def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path, launch):
     """``torchrun --nproc_per_node 2 -m hf_alibi recover`` with DDP, ``--fsdp`` (FSDP2 over gloo) or ``--deepspeed``
     (ZeRO-3: the student partitioned, the teacher whole on each rank), 2 blocks a step on each rank, against the
@@ -468,8 +470,10 @@ def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path
                "--max_steps", "4", "--batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
     if launch.endswith(".json"):
         command += ["--deepspeed", str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / launch)]
-    elif launch == "fsdp":  # checkpoints too: the Trainer's FSDP save (whole weights, sharded optimizer state)
+    elif launch == "fsdp":  # checkpoints too: the Trainer's FSDP save (whole weights and optimizer state)
         command += ["--fsdp", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--save_steps", "2"]
+    elif launch == "fsdp-teacher":  # the teacher sharded too (FSDP2, forwards only)
+        command += ["--fsdp", "--shard-teacher"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert result.stdout.count("Wrote the recovered ALiBi checkpoint") == 1  # rank 0's line
@@ -479,6 +483,7 @@ def test_recover_in_two_processes_equals_one_process(source, recovered, tmp_path
         assert (tmp_path / "checkpoints" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()
     recovery = json.loads((out / "recovery.json").read_text())
     assert recovery["info"]["processes"] == 2 and recovery["info"]["tokens"] == expected.info["tokens"]
+    assert recovery["info"]["teacher_sharded"] is (launch == "fsdp-teacher")
     assert [h["step"] for h in recovery["history"]] == [h["step"] for h in expected.history]
     for got, want in zip(recovery["history"], expected.history):  # KL and perplexity at every length
         assert got.keys() == want.keys() and "kl" in want
@@ -517,3 +522,5 @@ def test_a_deepspeed_setting_that_cannot_run_is_one_line(tmp_path):
         check_settings(64, fsdp=True, lora_rank=4)
     with pytest.raises(ValueError, match="deepspeed and fsdp both shard the student: choose one"):
         check_settings(64, deepspeed=zero3, fsdp=True)
+    with pytest.raises(ValueError, match="shard_teacher shards the teacher with FSDP2 over the processes of fsdp"):
+        check_settings(64, deepspeed=zero3, shard_teacher=True)
