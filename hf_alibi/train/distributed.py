@@ -95,7 +95,7 @@ def fsdp_on_cpu(trainer) -> bool:
         )
     # what accelerate's AcceleratorState does on GPUs: the state's type (it is shared with PartialState) and plugin
     state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP  # every PartialState shares one state: set there too
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
     return True

@@ -18,6 +18,7 @@ COMPAT = {PACKAGE / "core" / "compat.py", PACKAGE / "serve" / "compat.py", PACKA
 # not private state (CONTRIBUTING, "What the structure keeps on purpose")
 CLASS_HOOKS = {"_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn", "_supports_attention_backend"}
 CLASS_HOOKS |= {"_init_weights"}
+CLASS_HOOKS |= {"_no_split_modules"}  # the modules a model class says are not to be split (device maps, FSDP units)
 # the private transformers names hf_alibi reads or writes (all through its compat modules)
 KNOWN = {
     "_attn_implementation",
