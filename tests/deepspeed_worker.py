@@ -39,7 +39,7 @@ CONVERSIONS = {
     "paper": {},
     "pretrained": {"preset": "pretrained"},
     "options": {"sinks": 2, "slope_scale": 0.5, "position_mean": 4, "table_max_wavelength": 8.0,
-                "rotary_max_wavelength": 8.0, "rotary_knee": 8.0, "rotary_stretch": 3.0},
+                "rotary_max_wavelength": 8.0, "rotary_knee": 8.0, "rotary_stretch": 3.0, "rotary_interpolation": 1.5},
     "fit": {"preset": "pretrained", "fit": True},
 }  # fmt: skip
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}

@@ -322,17 +322,15 @@ def register_sink_reference(name: str, bias: torch.Tensor) -> None:
 class KneeRotaryReference(torch.nn.Module):
     """A Llama-layout rotary module computing every angle in float64 with loops: dimension ``k`` of ``width`` has
     frequency ``theta^(-2k/width)``; none where its wavelength passes ``max_wavelength``; past position
-    ``knee - 1``, those of wavelength > ``knee`` read position ``(knee - 1) + (p - knee + 1) / stretch``."""
+    ``knee - 1``, those of wavelength > ``knee`` read position ``(knee - 1) + (p - knee + 1) / stretch``, and that
+    position divided by ``interpolation`` (at every position)."""
 
-    def __init__(self, width: int, theta: float, max_wavelength: float, knee: float, stretch: float):
+    def __init__(
+        self, width: int, theta: float, max_wavelength: float, knee: float, stretch: float, interpolation: float = 1.0
+    ):
         super().__init__()
-        self.width, self.theta, self.max_wavelength, self.knee, self.stretch = (
-            width,
-            theta,
-            max_wavelength,
-            knee,
-            stretch,
-        )
+        self.width, self.theta, self.max_wavelength, self.knee = width, theta, max_wavelength, knee
+        self.stretch, self.interpolation = stretch, interpolation
 
     def forward(self, x, position_ids):
         angles = torch.zeros(*position_ids.shape, self.width // 2, dtype=torch.float64)
@@ -345,19 +343,30 @@ class KneeRotaryReference(torch.nn.Module):
                         continue
                     last = self.knee - 1
                     q = p if wavelength <= self.knee or p <= last else last + (p - last) / self.stretch
+                    if wavelength > self.knee:
+                        q = q / self.interpolation
                     angles[b, i, k] = frequency * q
         emb = torch.cat([angles, angles], dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 def retained_rotary_reference_logits(
-    make_original, model, input_ids, attention_mask, bias, max_wavelength, theta, knee=None, stretch=1.0
+    make_original,
+    model,
+    input_ids,
+    attention_mask,
+    bias,
+    max_wavelength,
+    theta,
+    knee=None,
+    stretch=1.0,
+    interpolation=1.0,
 ):
     """Logits of a rotary decoder converted with sinks / slopes (in ``bias``) and a rotary bound: its
     original architecture with the same weights, the inverse frequencies recomputed from ``theta``
     (``1 / theta^(2k/d)`` over the rotary width) and those of wavelength ``2 pi / f > max_wavelength``
-    set to 0 (no rotation), and the reference attention with ``bias``. With a ``knee`` (and ``stretch``), a
-    Llama-layout model's rotary module is :class:`KneeRotaryReference` instead."""
+    set to 0 (no rotation), and the reference attention with ``bias``. With a ``knee`` (and ``stretch`` or
+    ``interpolation``), a Llama-layout model's rotary module is :class:`KneeRotaryReference` instead."""
     name = "hf_alibi_tests_sink_reference"
     register_sink_reference(name, bias)
     reference = make_original(attn_implementation=name)
@@ -369,7 +378,9 @@ def retained_rotary_reference_logits(
             freq = [1.0 / theta ** (2 * k / width) for k in range(width // 2)]
             kept = [f if 2 * math.pi / f <= max_wavelength else 0.0 for f in freq]
             buffer.copy_(torch.tensor(kept, dtype=buffer.dtype))
-            if knee is not None and stretch != 1:
-                reference.model.rotary_emb = KneeRotaryReference(width, theta, max_wavelength, knee, stretch)
+            if knee is not None and (stretch != 1 or interpolation != 1):
+                reference.model.rotary_emb = KneeRotaryReference(
+                    width, theta, max_wavelength, knee, stretch, interpolation
+                )
     reference = reference.to(torch.float32).eval()
     return reference(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -180,6 +180,23 @@ class AlibiSettings:
         "Leave it 1.",
         describe=lambda s: None,  # said with rotary_knee
     )
+    rotary_interpolation: float = option(
+        1.0,
+        "Rotary rows only: the kept rotary frequencies of wavelength longer than rotary_knee (the original length) "
+        "turn this many times slower at every position (YaRN's fully interpolated part, without its ramp or "
+        "temperature): past the original length they stay within the angles training saw, at the price of their "
+        "angles inside it. With rotary_stretch too, the knee's position is interpolated. 1.0: as trained.",
+        flag_help="rotary: interpolate the long wavelengths Xx everywhere",
+        parse=float,
+        applies=lambda row, config: row.strategy == "rotary",
+        refusal="rotary_interpolation applies to rotary models only; {model_type} has a {strategy!r} position path. "
+        "Leave it 1.",
+        describe=lambda s: (
+            None
+            if s.rotary_knee is None or s.rotary_interpolation == 1.0
+            else f"rotary wavelengths > {s.rotary_knee:g} interpolated {s.rotary_interpolation:g}x at every position"
+        ),
+    )
     position_mean: int = option(
         0,
         "Absolute rows only: the mean of the first `position_mean` rows of the removed position table was added to "
@@ -233,6 +250,7 @@ class AlibiSettings:
         check_pretrained_options(
             self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
             self.position_mean, self.table_max_wavelength, self.table_rows, self.rotary_knee, self.rotary_stretch,
+            self.rotary_interpolation,
         )  # fmt: skip
         if self.slopes_source not in (None, FITTED) or (self.slopes_source and self.slopes is None):
             raise ValueError(f"slopes_source must be None or {FITTED!r} (with slopes), got {self.slopes_source!r}.")
@@ -346,6 +364,7 @@ def check_pretrained_options(
     table_rows: int = 0,
     rotary_knee: float | None = None,
     rotary_stretch: float = 1.0,
+    rotary_interpolation: float = 1.0,
 ) -> None:
     """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
 
@@ -404,12 +423,22 @@ def check_pretrained_options(
             "rotary_stretch slows kept rotary frequencies past rotary_knee: give rotary_knee (e.g. the original "
             "length) and keep the rotary frequencies (rotary_max_wavelength), or leave rotary_stretch 1."
         )
+    if not _is_number(rotary_interpolation) or rotary_interpolation < 1:
+        raise ValueError(
+            f"rotary_interpolation must be a finite number >= 1 (1: not interpolated), got {rotary_interpolation!r}."
+        )
+    if rotary_interpolation != 1.0 and (rotary_knee is None or rotary_max_wavelength is None):
+        raise ValueError(
+            "rotary_interpolation slows the kept rotary frequencies of wavelength > rotary_knee: give rotary_knee "
+            "(e.g. the original length) and keep the rotary frequencies (rotary_max_wavelength), or leave "
+            "rotary_interpolation 1."
+        )
     if architecture is not None:  # where each option applies: its declaration's applies / refusal
         row = type("Row", (), {"bidirectional": False, **architecture})  # the row's fields as attributes
         given = dict(
             sinks=sinks, slope_scale=slope_scale, slopes=slopes, position_mean=position_mean,
             rotary_max_wavelength=rotary_max_wavelength, table_max_wavelength=table_max_wavelength,
-            rotary_knee=rotary_knee, rotary_stretch=rotary_stretch,
+            rotary_knee=rotary_knee, rotary_stretch=rotary_stretch, rotary_interpolation=rotary_interpolation,
         )  # fmt: skip
         for option in conversion_options():
             applies, refusal = option.metadata["applies"], option.metadata["refusal"]

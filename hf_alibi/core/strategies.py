@@ -122,9 +122,19 @@ class RetainedRotary(nn.Module):
     position, which every path hands this module: the cache's count in generation (a left-padded row counts its
     padding: its knee comes that many tokens early), a packed row's per-document ids, continuous batching's and
     vLLM's per-request positions.
+
+    With ``interpolation > 1`` (``rotary_interpolation``) those dimensions read ``p / interpolation`` at every position
+    (after the knee's map where there is one): their relative angles are interpolated, as YaRN's slowest part.
     """
 
-    def __init__(self, original: nn.Module, max_wavelength: float, knee: float | None = None, stretch: float = 1.0):
+    def __init__(
+        self,
+        original: nn.Module,
+        max_wavelength: float,
+        knee: float | None = None,
+        stretch: float = 1.0,
+        interpolation: float = 1.0,
+    ):
         super().__init__()
         if "dynamic" in str(getattr(original, "rope_type", "")):
             # Dynamic NTK scaling stretches RoPE past its trained length (ALiBi does that now) and reads the
@@ -133,9 +143,10 @@ class RetainedRotary(nn.Module):
             original.rope_type = "default"
         self.original = original
         self.max_wavelength = float(max_wavelength)
-        # past ``knee`` the kept frequencies of longer wavelength turn ``stretch`` times slower (None: as trained)
-        self.knee = None if knee is None or stretch == 1 else float(knee)
-        self.stretch = float(stretch)
+        # the kept frequencies of wavelength > ``knee`` turn ``stretch`` times slower past it and ``interpolation``
+        # times slower everywhere (None: as trained)
+        self.knee = None if knee is None or (stretch == 1 and interpolation == 1) else float(knee)
+        self.stretch, self.interpolation = float(stretch), float(interpolation)
         self._probes: dict = {}
         self.kept: torch.Tensor | None = None
 
@@ -167,13 +178,18 @@ class RetainedRotary(nn.Module):
             # the slowed dimensions: the same angles inside, angles close to training's past it (every path that
             # gives this module positions, the cache's count, a packed row's or a batch's own, gets the same)
             last = self.knee - 1
-            stretched = torch.where(position_ids > last, last + (position_ids - last) / self.stretch, position_ids)
+            stretched = position_ids
+            if self.stretch != 1:
+                stretched = torch.where(position_ids > last, last + (position_ids - last) / self.stretch, position_ids)
+            if self.interpolation != 1:  # every position: relative angles interpolated, as YaRN's slowest part
+                stretched = stretched / self.interpolation
             cos_s, sin_s = self.original(x, stretched.float(), *args, **kwargs)
             cos, sin = torch.where(slowed, cos_s, cos), torch.where(slowed, sin_s, sin)
         return torch.where(kept, cos, cos0.to(cos.dtype)), torch.where(kept, sin, sin0.to(sin.dtype))
 
     def extra_repr(self) -> str:
         knee = "" if self.knee is None else f", knee={self.knee}, stretch={self.stretch}"
+        knee += "" if self.knee is None or self.interpolation == 1 else f", interpolation={self.interpolation}"
         return f"max_wavelength={self.max_wavelength}{knee}"
 
 
@@ -307,6 +323,7 @@ def rotary(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
     ``settings.rotary_max_wavelength`` only the frequencies of longer wavelength removed (:class:`RetainedRotary`)."""
     max_wavelength = getattr(settings, "rotary_max_wavelength", None)
     knee, stretch = getattr(settings, "rotary_knee", None), getattr(settings, "rotary_stretch", 1.0)
+    interpolation = getattr(settings, "rotary_interpolation", 1.0)
     for path in paths:
         for parent, name, module in find_modules(base, path):
             if isinstance(module, (IdentityRotary, RetainedRotary)):
@@ -316,7 +333,7 @@ def rotary(base: nn.Module, paths: tuple[str, ...], settings=None) -> None:
                 name,
                 IdentityRotary(module)
                 if max_wavelength is None
-                else RetainedRotary(module, max_wavelength, knee, stretch),
+                else RetainedRotary(module, max_wavelength, knee, stretch, interpolation),
             )
 
 

@@ -27,6 +27,7 @@ VALUES = {
     "rotary_max_wavelength": 100.0,  # keeps a frequency of wavelength > the knee (63 tokens for theta 1e4)
     "rotary_knee": 12.0,  # inside the inputs' 40 positions: the slowed frequencies are traced past it
     "rotary_stretch": 4.0,
+    "rotary_interpolation": 1.5,  # with the stretch: the knee's positions interpolated
     "position_mean": 4,
     "table_max_wavelength": 8.0,
 }

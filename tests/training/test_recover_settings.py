@@ -45,7 +45,7 @@ def test_flags_distill_fields_trainer_arguments_and_keywords_are_made_from_the_o
     fields = {f.name: f for f in dataclasses.fields(RecoverySettings)}
     options = {f.name for f in conversion_options()}
     assert options == {"sinks", "slope_scale", "slopes", "rotary_max_wavelength", "rotary_knee", "rotary_stretch",
-                       "position_mean", "table_max_wavelength"}  # fmt: skip
+                       "rotary_interpolation", "position_mean", "table_max_wavelength"}  # fmt: skip
     assert options <= set(fields), "the conversion options reach recovery as settings"
     # hf-alibi recover: one flag per setting but the few without, in both spellings
     actions = {a.dest: a for a in _recover_actions()}
