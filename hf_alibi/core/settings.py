@@ -74,6 +74,15 @@ FITTED = "fit_slopes"  # AlibiSettings.slopes_source of slopes that fit_slopes m
 FIT_TOKENS = 4096
 
 
+def rotary_only(name: str, leave: str) -> dict:
+    """An option of rotary rows only: where it applies, and the one line where it is given to another row."""
+    return dict(
+        applies=lambda row, config: row.strategy == "rotary",
+        refusal=f"{name} applies to rotary models only; {{model_type}} has a {{strategy!r}} position path. "
+        f"Leave it {leave}.",
+    )
+
+
 @dataclass(frozen=True)
 class AlibiSettings:
     """What a converted model needs to be rebuilt; stored as ``config.alibi``."""
@@ -140,9 +149,7 @@ class AlibiSettings:
         flag_help="rotary: keep wavelengths <= X",
         parse=float,
         presets={"pretrained": TimesOriginalLength(1024.0)},  # every frequency of a usual model (2 pi theta)
-        applies=lambda row, config: row.strategy == "rotary",
-        refusal="rotary_max_wavelength applies to rotary models only; {model_type} has a {strategy!r} position path. "
-        "Leave it None.",
+        **rotary_only("rotary_max_wavelength", leave="None"),
         describe=lambda s: (
             None
             if (s.architecture or {}).get("strategy") != "rotary"
@@ -158,9 +165,7 @@ class AlibiSettings:
         flag_help="rotary: slow the long wavelengths past position X",
         parse=float,
         presets={"pretrained": TimesOriginalLength(1.0)},
-        applies=lambda row, config: row.strategy == "rotary",
-        refusal="rotary_knee applies to rotary models only; {model_type} has a {strategy!r} position path. "
-        "Leave it None.",
+        **rotary_only("rotary_knee", leave="None"),
         describe=lambda s: (
             None
             if s.rotary_knee is None or s.rotary_stretch == 1.0
@@ -175,9 +180,7 @@ class AlibiSettings:
         flag_help="rotary: how much slower past the knee",
         parse=float,
         presets={"pretrained": 2.0},
-        applies=lambda row, config: row.strategy == "rotary",
-        refusal="rotary_stretch applies to rotary models only; {model_type} has a {strategy!r} position path. "
-        "Leave it 1.",
+        **rotary_only("rotary_stretch", leave="1"),
         describe=lambda s: None,  # said with rotary_knee
     )
     rotary_interpolation: float = option(
@@ -188,9 +191,7 @@ class AlibiSettings:
         "angles inside it. With rotary_stretch too, the knee's position is interpolated. 1.0: as trained.",
         flag_help="rotary: interpolate the long wavelengths Xx everywhere",
         parse=float,
-        applies=lambda row, config: row.strategy == "rotary",
-        refusal="rotary_interpolation applies to rotary models only; {model_type} has a {strategy!r} position path. "
-        "Leave it 1.",
+        **rotary_only("rotary_interpolation", leave="1"),
         describe=lambda s: (
             None
             if s.rotary_knee is None or s.rotary_interpolation == 1.0
