@@ -63,6 +63,7 @@ from hf_alibi.recover.settings import distill_settings_of, with_distill_fields
 from hf_alibi.train.data import embedded_tokenizer, load_raw_datasets
 from hf_alibi.train.distributed import (
     check_deepspeed_config,
+    check_fsdp_on_cpu,
     close_process_group,
     deepspeed_on_cpu,
     fsdp_on_cpu,
@@ -184,6 +185,7 @@ def main():
     not_fsdp = fsdp_requested_but_not_used(training_args.distributed_state.distributed_type)
     if not_fsdp and training_args.distributed_state.distributed_type.value == "NO":
         raise ValueError(not_fsdp)  # before the data: independent processes never become FSDP
+    check_fsdp_on_cpu(training_args)  # FSDP1 asked on CPUs: one line (accelerate would fail inside the Trainer)
 
     resume_from_checkpoint = training_args.resume_from_checkpoint
     if training_args.do_train and resume_from_checkpoint is not None:

@@ -89,16 +89,28 @@ def fsdp_on_cpu(trainer) -> bool:
     arguments = trainer.args.fsdp_plugin_args
     plugin = FullyShardedDataParallelPlugin(**arguments) if arguments is not None else FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
-        raise ValueError(
-            f"FSDP on CPUs runs FSDP2 only (torch's fully_shard), got fsdp_version {plugin.fsdp_version}: set "
-            "fsdp_version 2 (--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config)."
-        )
+        raise ValueError(_fsdp1_on_cpus(plugin.fsdp_version))
     # what accelerate's AcceleratorState does on GPUs: the state's type (it is shared with PartialState) and plugin
     state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP  # every PartialState shares one state: set there too
     state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True
     return True
+
+
+def check_fsdp_on_cpu(training_args) -> None:
+    """Before the Trainer is made: one-line ``ValueError`` where the Trainer's ``--fsdp`` asks for FSDP1 on a machine
+    without GPUs (accelerate would stop inside the Trainer with a traceback: no device for FSDP1)."""
+    arguments = training_args.fsdp_plugin_args
+    if arguments is not None and not torch.cuda.is_available() and arguments.get("fsdp_version", 2) != 2:
+        raise ValueError(_fsdp1_on_cpus(arguments["fsdp_version"]))
+
+
+def _fsdp1_on_cpus(version) -> str:
+    return (
+        f"FSDP on CPUs runs FSDP2 only (torch's fully_shard), got fsdp_version {version}: set fsdp_version 2 "
+        "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config)."
+    )
 
 
 def shard_for_inference(model: nn.Module) -> nn.Module:

@@ -228,3 +228,21 @@ def test_the_fsdp2_config_file_is_the_one_recover_uses():
     from hf_alibi.train.distributed import FSDP2_CONFIG
 
     assert json.loads((ROOT / "configs" / "fsdp" / "fsdp2.json").read_text()) == FSDP2_CONFIG
+
+
+def test_fsdp1_on_cpus_is_one_line(tmp_path):
+    """The Trainer's --fsdp with fsdp_config version 1 is FSDP1, which gloo does not run: one line before training,
+    not DDP in its place (transformers' default is version 2)."""
+    stdlib = Path(os.__file__).parent
+    (tmp_path / "train.txt").write_text((stdlib / "argparse.py").read_text())
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), SCRIPT, *TINY, "--alibi", *COMMON, "--use_cpu", "--fsdp", "full_shard",
+               "--fsdp_config", '{"version": 1}', "--max_steps", "1", "--output_dir", str(out),
+               "--train_file", str(tmp_path / "train.txt")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=600)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "ValueError: FSDP on CPUs runs FSDP2 only" in line]
+    assert errors, result.stderr[-3000:]
+    assert "fsdp_version 2" in errors[0]
+    assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))
