@@ -24,8 +24,6 @@ from ..train.distributed import (
     FSDP2_CONFIG,
     deepspeed_cpu_state,
     fsdp_on_cpu,
-    is_fsdp2,
-    is_zero3,
     launch_world,
     shard_for_inference,
     unsharded_copy,
@@ -152,7 +150,7 @@ def recover(
     def evaluate(step: int) -> None:
         # ZeRO-3 and FSDP2: on a gathered copy (every rank; a forward of the partitioned student outside the
         # engine's step left its prefetching out of order: the next training step hung)
-        student_now = unsharded_copy(trained) if is_zero3(trained) or is_fsdp2(trained) else trained
+        student_now = unsharded_copy(trained)  # the model itself when it is neither
         figures = agreement(student_now, teacher, eval_stream, length, eval_factors, kind, frame)
         history.append({"step": step, "tokens": step * tokens_per_step, **figures})
         line = f"[recover] step {step}/{max_steps} ({step * tokens_per_step} tokens): {format_agreement(figures)}"
