@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from arch_cases import CASES  # noqa: E402
 
 import hf_alibi  # noqa: E402
-from hf_alibi.train.distributed import full_state_dict, unsharded_copy  # noqa: E402
+from hf_alibi.train.distributed import full_state_dict, fully_shard_layers, unsharded_copy  # noqa: E402
 
 STEPS = 3
 LR = 1e-2
@@ -80,14 +80,7 @@ def shard(model, plugin, accelerator, own_wrap: bool = False):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         return fsdp2_prepare_model(accelerator, model)
-    from torch.distributed.fsdp import fully_shard
-
-    embeddings = model.get_input_embeddings()
-    names = set(model._no_split_modules or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in names and all(m is not embeddings for m in module.modules()):
-            fully_shard(module, reshard_after_forward=True)
-    return fully_shard(model)
+    return fully_shard_layers(model)  # the library's: layers resharded after forward (the default), then the root
 
 
 def loss_of(case, model, inputs: dict) -> torch.Tensor:

@@ -86,10 +86,9 @@ def fsdp_on_cpu(trainer) -> bool:
     state = trainer.accelerator.state
     if torch.cuda.is_available() or not fsdp_asked(trainer) or state.distributed_type != DistributedType.MULTI_CPU:
         return False
+    check_fsdp_on_cpu(trainer.args)  # before the plugin is made: accelerate's FSDP1 plugin fails without a device
     arguments = trainer.args.fsdp_plugin_args
     plugin = FullyShardedDataParallelPlugin(**arguments) if arguments is not None else FullyShardedDataParallelPlugin()
-    if plugin.fsdp_version != 2:
-        raise ValueError(_fsdp1_on_cpus(plugin.fsdp_version))
     # what accelerate's AcceleratorState does on GPUs: the state's type (it is shared with PartialState) and plugin
     state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP  # every PartialState shares one state: set there too
@@ -99,25 +98,27 @@ def fsdp_on_cpu(trainer) -> bool:
 
 
 def check_fsdp_on_cpu(training_args) -> None:
-    """Before the Trainer is made: one-line ``ValueError`` where the Trainer's ``--fsdp`` asks for FSDP1 on a machine
-    without GPUs (accelerate would stop inside the Trainer with a traceback: no device for FSDP1)."""
+    """Before the Trainer is made: one-line ``ValueError`` where the run asks for FSDP1 (the Trainer's ``--fsdp``, or
+    the launcher's FSDP config) on a machine without GPUs (accelerate would stop inside the Trainer with a traceback:
+    no device for FSDP1)."""
     arguments = training_args.fsdp_plugin_args
-    if arguments is not None and not torch.cuda.is_available() and arguments.get("fsdp_version", 2) != 2:
-        raise ValueError(_fsdp1_on_cpus(arguments["fsdp_version"]))
+    if arguments is not None:  # transformers' default is FSDP2
+        version = int(arguments.get("fsdp_version", 2))
+    elif fsdp_requested():  # accelerate launch's environment (its plugin's default: FSDP1)
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+    else:
+        return
+    if version != 2 and not torch.cuda.is_available():
+        raise ValueError(
+            f"FSDP on CPUs runs FSDP2 only (torch's fully_shard), got fsdp_version {version}: set fsdp_version 2 "
+            "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config)."
+        )
 
 
-def _fsdp1_on_cpus(version) -> str:
-    return (
-        f"FSDP on CPUs runs FSDP2 only (torch's fully_shard), got fsdp_version {version}: set fsdp_version 2 "
-        "(--fsdp_config '{\"version\": 2}', or fsdp_version: 2 in the accelerate config)."
-    )
-
-
-def shard_for_inference(model: nn.Module) -> nn.Module:
-    """``model`` sharded in place with FSDP2 over the default process group, for forwards only (a frozen teacher too
-    large for one device): ``fully_shard`` on each module named in its ``_no_split_modules`` that does not hold the
-    input embeddings, then on the root (tied embeddings stay in the root's group: accelerate 1.15's own wrapping
-    shards BERT's twice and splits T5's). Each forward then gathers one unit at a time, on every rank together."""
+def fully_shard_layers(model: nn.Module) -> nn.Module:
+    """``fully_shard`` on each module named in ``model``'s ``_no_split_modules`` that does not hold the input
+    embeddings, then on the root, in place, with its defaults (each layer resharded after its forward, the root not):
+    tied embeddings stay in the root's group (accelerate 1.15's own wrapping shards BERT's twice and splits T5's)."""
     from torch.distributed.fsdp import fully_shard
 
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -125,7 +126,14 @@ def shard_for_inference(model: nn.Module) -> nn.Module:
     for module in list(model.modules()):
         if type(module).__name__ in names and all(m is not embeddings for m in module.modules()):
             fully_shard(module)
-    fully_shard(model)
+    return fully_shard(model)
+
+
+def shard_for_inference(model: nn.Module) -> nn.Module:
+    """``model`` sharded in place with FSDP2 over the default process group, for forwards only (a frozen teacher too
+    large for one device), by :func:`fully_shard_layers`. Each forward then gathers one unit at a time, on every rank
+    together."""
+    fully_shard_layers(model)
     # FSDP2 keeps the root's own parameters (the embeddings) gathered after a forward, for the backward that follows;
     # a teacher has none: shard them again after each forward
     model.register_forward_hook(lambda module, args, output: module.reshard())
