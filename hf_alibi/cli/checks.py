@@ -27,7 +27,7 @@ from ..convert.planning import (  # noqa: F401  (config_heads, HEAD_FIELDS: re-e
     encoder_variant_for,
     resolve_options,
 )
-from ..core.settings import check_pretrained_options, conversion_options
+from ..core.settings import check_pretrained_options, conversion_options, preset_name
 from ..evaluate.inputs import CompareError, check_configs, check_output_folder, local_configs, parse_rope
 from ..export.gguf import check_output_file
 from ..hub.checkpoints import check_output, check_source, is_hub_id, is_local
@@ -82,8 +82,9 @@ def check_compare(args: argparse.Namespace) -> None:
 def check_conversion_values(args: argparse.Namespace) -> None:
     """``convert``'s heads and options checked by the planner :func:`hf_alibi.plan_conversion` calls
     (:mod:`hf_alibi.convert.planning`), from SRC's config.json read as JSON (a folder here; a Hub id is the job's):
-    the head count, the encoder variant, the values as they would be stored (the explicit ones: a preset's apply only
-    where they fit) with each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where
+    the head count, the encoder variant, the values as they would be stored (the preset's where they fit, overridden
+    by the explicit ones: an option that needs another, as rotary_stretch needs rotary_knee, reads the preset's) with
+    each option's own check (:func:`~hf_alibi.core.settings.check_pretrained_options`) and where
     it applies (the type's row)."""
     config = _local_config(args.src)
     fields = config_fields(config)  # config.json's fields, as the declarations read a config's
@@ -99,7 +100,7 @@ def check_conversion_values(args: argparse.Namespace) -> None:
     try:
         if row is not None:
             encoder_variant_for(row, args.encoder_variant)
-        values = resolve_options(fields, row, None, **explicit)
+        values = resolve_options(fields, row, preset_name(args.preset), **explicit)
     except ValueError as error:
         raise CliError(str(error)) from None
     if row is not None:  # where the declaration says an option applies by the model's config (sinks: one mask)

@@ -313,6 +313,23 @@ def test_preset_options_reach_patch_model_and_info_shows_them(tmp_path, capsys):
         f"> 16 turn {stretch:g}x slower past position 16\n"
     ) in stdout
 
+    # options that need the preset's rotary_knee take it: the flags override the preset, the knee stays 16
+    overrides = (
+        (["--rotary-stretch", "3"], 3.0, 1.0),
+        (["--rotary-stretch", "1", "--rotary-interpolation", "1.5"], 1.0, 1.5),
+    )
+    for flags, stretch, interpolation in overrides:
+        out1 = tmp_path / f"alibi-{stretch}-{interpolation}"
+        code, _, err = run_cli("convert", src, out1, "--preset", "pretrained", *flags, capsys=capsys)
+        assert code == 0, err
+        settings = json.loads((out1 / "config.json").read_text())["alibi"]
+        assert (settings["rotary_knee"], settings["rotary_stretch"], settings["rotary_interpolation"]) == (
+            16.0, stretch, interpolation
+        )  # fmt: skip
+    # without a preset there is no knee to slow past: one line, nothing written
+    code, stdout, err = run_cli("convert", src, tmp_path / "no-knee", "--rotary-interpolation", "1.5", capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "give rotary_knee" in err and not (tmp_path / "no-knee").exists()
+
     out2 = tmp_path / "alibi2"
     code, _, err = run_cli("convert", src, out2, "--slopes", "0.5,0.25,0.125,1", "--rotary-max-wavelength", "8",
                            capsys=capsys)  # fmt: skip
