@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""What the rotary knee costs per token: the pretrained preset against the same conversion without the knee
-(``rotary_stretch=1``), one forward of ``--tokens`` tokens each, interleaved, median of ``--repeats``; prints each
-median and its ratio to the conversion without the knee.
+"""What the rotary position maps cost per token: the pretrained preset (the knee) and the same conversion with the
+long wavelengths interpolated instead (``rotary_stretch=1, rotary_interpolation=1.5``), against the conversion
+without either (``rotary_stretch=1``): one forward of ``--tokens`` tokens each, interleaved, median of ``--repeats``;
+prints each median and its ratio to the conversion without a map.
 
     PYTHONPATH=. python benchmarks/rotary_knee.py --model /work/models/smollm2 --tokens 2048 --repeats 7
 """
@@ -29,7 +30,11 @@ def main(argv=None) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
         return hf_alibi.patch_model(model, preset="pretrained", **options).eval()
 
-    arms = {"without the knee (rotary_stretch=1)": load(rotary_stretch=1.0), "the preset (knee)": load()}
+    arms = {
+        "without the knee (rotary_stretch=1)": load(rotary_stretch=1.0),
+        "the preset (knee)": load(),
+        "interpolated x1.5 (rotary_stretch=1)": load(rotary_stretch=1.0, rotary_interpolation=1.5),
+    }
     vocab = next(iter(arms.values())).config.vocab_size
     ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {name: [] for name in arms}
