@@ -59,6 +59,11 @@ OPTIONS = [
     {"table_max_wavelength": 64.0},
     {"heads": 3},
     {"encoder_variant": "nonsymmetric"},
+    {"preset": "pretrained"},
+    {"rotary_stretch": 3.0},  # needs a knee: refused without the preset's
+    {"preset": "pretrained", "rotary_stretch": 3.0},
+    {"preset": "pretrained", "rotary_stretch": 1.0, "rotary_interpolation": 1.5},
+    {"preset": "pretrained", "rotary_interpolation": 0.5},
 ]
 
 
@@ -72,7 +77,9 @@ def test_the_front_refuses_what_plan_conversion_refuses_and_nothing_else(model_t
         refused = False
     except ValueError:
         refused = True
-    args = argparse.Namespace(src=str(tmp_path), heads=None, encoder_variant=None, **dict.fromkeys(cli_checks.OPTIONS))
+    args = argparse.Namespace(
+        src=str(tmp_path), heads=None, encoder_variant=None, preset=None, **dict.fromkeys(cli_checks.OPTIONS)
+    )
     for name, value in given.items():
         setattr(args, name, value)
     try:
