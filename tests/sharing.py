@@ -1,5 +1,5 @@
 """Helpers of the sharing tests (CLI, remote code, Hub): tiny models per architecture, a local tokenizer,
-child processes that cannot import hf_alibi, folder hashes."""
+child processes that cannot import hf_alibi, folder hashes; a free port and torch's thread count for any test."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,3 +179,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block, and given back after it (a skip or failure too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -10,6 +10,7 @@ intra-op threads, the first half of the result is the calling thread's and the s
 import pytest
 import torch
 from arch_cases import CASES
+from sharing import torch_threads
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -29,13 +30,11 @@ def flushing_halves() -> tuple[bool, bool]:
 
 @pytest.fixture
 def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    if flushing_halves() != (False, False):
-        pytest.skip("this process already flushes subnormals")
-    yield
-    torch.set_flush_denormal(False)
-    torch.set_num_threads(threads)
+    with torch_threads(2):  # given back on the skip too
+        if flushing_halves() != (False, False):
+            pytest.skip("this process already flushes subnormals")
+        yield
+        torch.set_flush_denormal(False)
 
 
 def test_the_observation_tells_the_threads_apart(two_threads):

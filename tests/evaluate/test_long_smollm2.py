@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-import torch
+from sharing import torch_threads
 from smollm2 import saved_smollm2
 
 from hf_alibi.cli import main as cli_main
@@ -24,10 +24,8 @@ INSIDE, PAST = ("0-1k", "1k-2k", "2k-4k", "4k-8k"), ("8k-16k",)
 @pytest.fixture
 def every_core():
     """Four 16k-token streams: this test takes every core for its own torch (the tier's workers take one each)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(os.cpu_count() or 1):
+        yield
 
 
 def test_the_interpolated_conversion_reads_past_the_native_length_better_than_yarn(tmp_path, capsys, every_core):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import deepspeed_worker as worker  # noqa: E402
 from arch_cases import CASES, NATIVE_CASES  # noqa: E402
-from sharing import free_port  # noqa: E402
+from sharing import free_port, torch_threads  # noqa: E402
 
 # absolute (tied, offset, encoder tables: BERT's and RoBERTa's padding rows), rotary (full, partial), relative,
 # and a model trained with ALiBi (its check reads the fused projection's shape)
@@ -66,12 +66,8 @@ def _one_process(src: Path, name: str, keywords: dict) -> transformers.PreTraine
     model = getattr(transformers, config["architectures"][0]).from_pretrained(src)
     keywords = worker.applicable(model.config, dict(keywords))
     if keywords.pop("fit", False):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             keywords["slopes"] = hf_alibi.fit_slopes(model, worker.FIT_IDS[None], sinks=1)
-        finally:
-            torch.set_num_threads(threads)
     return hf_alibi.patch_model(model, **keywords)
 
 
