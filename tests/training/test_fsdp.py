@@ -58,8 +58,7 @@ def _env(tmp_path: Path) -> dict:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(free_port()), WORKER, str(out), *(case for case, _, _ in CASES)]
+    command = [*_torchrun(), WORKER, str(out), *(case for case, _, _ in CASES)]
     result = subprocess.run(command, capture_output=True, text=True, env=_env(out), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return out, json.loads((out / "report.json").read_text())
@@ -141,14 +140,25 @@ def test_checkpoints_reload_as_the_same_alibi_model(fsdp_run, tmp_path):
             assert torch.equal(value, state[key]), key
 
 
-def _launch(args, tmp_path, port) -> subprocess.CompletedProcess:
+def _torchrun() -> list[str]:
+    """torch's launcher of 2 processes on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+
+
+def _accelerate(*args: str) -> list[str]:
+    """accelerate's launcher with configs/accelerate/fsdp2.yaml on a free port, then ``args``."""
+    return ["accelerate", "launch", "--config_file", CONFIG, "--main_process_port", str(free_port()), *args]
+
+
+def _launch(launcher: list[str], script_args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """run_clm.py --alibi on the tiny GPT-2 through ``launcher``, trained on stdlib text (tmp_path/train.txt; and
+    tmp_path/validation.txt for ``script_args`` to name)."""
     stdlib = Path(os.__file__).parent
     train = tmp_path / "train.txt"
     if not train.exists():
         train.write_text((stdlib / "argparse.py").read_text() + (stdlib / "typing.py").read_text())
         (tmp_path / "validation.txt").write_text((stdlib / "textwrap.py").read_text())
-    launcher = ["accelerate", "launch", "--config_file", CONFIG, "--main_process_port", str(port), *args[0]]
-    command = [*launcher, SCRIPT, *TINY, "--alibi", *COMMON, "--train_file", str(train), *args[1]]
+    command = [*launcher, SCRIPT, *TINY, "--alibi", *COMMON, "--train_file", str(train), *script_args]
     return subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=600)
 
 
@@ -157,7 +167,7 @@ def _launch(args, tmp_path, port) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_accelerate_fsdp_launch_of_independent_processes_on_cpus_is_refused(tmp_path):
     """Without --use_cpu on a machine without GPUs, accelerate starts independent single processes: refused."""
-    result = _launch(([], ["--max_steps", "2", "--output_dir", str(tmp_path / "out")]), tmp_path, free_port())
+    result = _launch(_accelerate(), ["--max_steps", "2", "--output_dir", str(tmp_path / "out")], tmp_path)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith(("ValueError", "[rank0]: ValueError"))]
     assert errors, result.stderr[-3000:]
@@ -189,7 +199,7 @@ def test_accelerate_fsdp_launch_of_run_clm_alibi(tmp_path, state_dict_type):
     script_args += ["--validation_file", str(tmp_path / "validation.txt"), "--eval_lengths", "32,64,128"]
     script_args += ["--max_eval_tokens", "500", "--eval_stride", "16"]
     script_args += ["--export_gguf", "f32"]  # the whole model is gathered on every rank, rank 0 writes the file
-    result = _launch((accelerate_args, script_args), tmp_path, free_port())
+    result = _launch(_accelerate(*accelerate_args), script_args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "would train with" not in result.stderr
 
@@ -233,14 +243,10 @@ def test_the_fsdp2_config_file_is_the_one_recover_uses():
 def test_fsdp1_on_cpus_is_one_line(tmp_path):
     """The Trainer's --fsdp with fsdp_config version 1 is FSDP1, which gloo does not run: one line before training,
     not DDP in its place (transformers' default is version 2)."""
-    stdlib = Path(os.__file__).parent
-    (tmp_path / "train.txt").write_text((stdlib / "argparse.py").read_text())
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), SCRIPT, *TINY, "--alibi", *COMMON, "--use_cpu", "--fsdp", "full_shard",
-               "--fsdp_config", '{"version": 1}', "--max_steps", "1", "--output_dir", str(out),
-               "--train_file", str(tmp_path / "train.txt")]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=600)
+    script_args = ["--use_cpu", "--fsdp", "full_shard", "--fsdp_config", '{"version": 1}', "--max_steps", "1",
+                   "--output_dir", str(out)]  # fmt: skip
+    result = _launch(_torchrun(), script_args, tmp_path)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "ValueError: FSDP on CPUs runs FSDP2 only" in line]
     assert errors, result.stderr[-3000:]
