@@ -350,6 +350,45 @@ class KneeRotaryReference(torch.nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
+def register_window_reference(name: str, bias: torch.Tensor, window: int, stretch: float, frequencies) -> None:
+    """Register ``name`` as :func:`register_sink_reference`'s attention with a rotary window: a query-key pair at
+    distance ``d >= window`` (index distance: the rows' padding cancels) has each slowed channel's angle (a Llama
+    halves layout channel ``c`` of frequency ``frequencies[c % (width / 2)]``, 0: not slowed) read at ``window + (d -
+    window) / stretch`` instead of ``d``: its key turned ``d - that`` positions further, pair by pair, in float64."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        rep = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(rep, dim=1).double(), value.repeat_interleave(rep, dim=1).double()
+        q = query.double()
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        half = len(frequencies)
+        length = q.shape[2]
+        scores = torch.zeros(q.shape[0], q.shape[1], length, length, dtype=torch.float64)
+        for i in range(length):
+            for j in range(length):
+                d = i - j
+                key_j = k[:, :, j].clone()
+                if d >= window:
+                    turn = d - (window + (d - window) / stretch)
+                    for c, frequency in enumerate(frequencies):
+                        if frequency:
+                            a, b = key_j[..., c].clone(), key_j[..., c + half].clone()
+                            angle = frequency * turn
+                            key_j[..., c] = a * math.cos(angle) - b * math.sin(angle)
+                            key_j[..., c + half] = b * math.cos(angle) + a * math.sin(angle)
+                scores[:, :, i, j] = (q[:, :, i] * key_j).sum(-1) * scaling
+        scores = scores + bias
+        if attention_mask is not None:
+            scores = scores + attention_mask.double()
+        weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
+        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(query.dtype), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+
+
 def retained_rotary_reference_logits(
     make_original,
     model,

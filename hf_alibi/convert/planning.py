@@ -133,6 +133,8 @@ def resolve_options(config, row, preset: str | None = None, **explicit) -> dict:
         if isinstance(value, TimesOriginalLength):
             length = original_length(config)
             value = value.times * length if length else None
+            if value is not None and f.metadata["parse"] is int:  # a count of tokens (rotary_window)
+                value = round(value)
         values[f.name] = value
     values.update({name: value for name, value in explicit.items() if value is not None})
     if type(values["table_max_wavelength"]) in (int, float) and values["table_max_wavelength"] == 0:  # explicit 0:

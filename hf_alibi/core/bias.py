@@ -34,7 +34,8 @@ class AlibiBias(nn.Module):
     model, made by the conversion; a layer built on its own gets its own).
     ``slopes`` (the fixed forms' slopes, one per head; default the paper's) and ``sinks`` (the first
     ``sinks`` real keys of each row carry no penalty; the row starts are the forward's, ``forward.AlibiForward``)
-    are the settings of ``AlibiSettings`` of those names.
+    are the settings of ``AlibiSettings`` of those names. ``window``: the layer's rotary window
+    (:class:`window.RotaryWindow`, set by the conversion with ``rotary_window``), else ``None``.
 
     >>> AlibiBias("causal", 4)
     AlibiBias(kind='causal', num_heads=4, path='auto')
@@ -62,6 +63,7 @@ class AlibiBias(nn.Module):
         self.spec = BiasSpec(kind, values, sinks, rounding)  # rounding: the bias rounded per key (Falcon's code)
         self.path = path
         self.last_path: str | None = None
+        self.window = None  # the rotary window (window.py), set by the conversion
         self.shared = SharedByLayers() if shared is None else shared
         if kind == LEARNED:
             self.slopes_left = nn.Parameter(torch.empty(num_heads))

@@ -34,6 +34,7 @@ from .names import base_name, check_backend
 from .settings import AlibiSettings, is_per_layer
 from .slopes import CAUSAL
 from .strategies import POSITION_READERS, STRATEGIES, RetainedTable, find_modules
+from .window import rotary_window
 
 
 def row_for(settings: AlibiSettings) -> Architecture:
@@ -62,17 +63,21 @@ def apply(model: PreTrainedModel, settings: AlibiSettings, row: Architecture) ->
     shared = SharedByLayers()
     slopes = settings.slopes_in_use()
     per_layer = slopes if is_per_layer(slopes) else [slopes] * len(attentions)
+    window = rotary_window(base, settings)
     for attention, layer_slopes in zip(attentions, per_layer):
         causal = not row.bidirectional or bool(getattr(attention, "is_causal", False))
         kind = CAUSAL if causal else settings.encoder_variant
         attention.alibi = AlibiBias(kind, settings.heads, shared=shared, slopes=layer_slopes, sinks=settings.sinks)
+        attention.alibi.window = window
     _alibi_sub_configs(model)
     if any(isinstance(m, RetainedTable) for m in base.modules()):
         _init_retained_tables(model)
     # Before every forward, its AlibiForward (forward.py). The model's own class makes it (alibi_model_class); the
     # base model, when it is another module, in hooks: a task head may run the base's forward or its inner stack
     # (OPTForCausalLM calls model.decoder), and a caller the base itself.
-    setup = ForwardSetup(shared, any(isinstance(m, POSITION_READERS) for m in base.modules()), settings.sinks)
+    reads_positions = any(isinstance(m, POSITION_READERS) for m in base.modules())
+    # a window places its far pairs by the sequence's end (a static cache's keys): recorded for it as for sinks
+    setup = ForwardSetup(shared, reads_positions, settings.sinks, records_rows=window is not None)
     model._alibi_setup = setup
     if base is not model:
         hook_base(base, setup)

@@ -83,7 +83,7 @@ def cudnn_refusal(alibi, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """Why this call cannot run on cuDNN's fused ALiBi, one line, else ``None``: the table's features (``kernels.py``:
     the causal form, the paper's slopes, no sinks, no rounding), then what the call asks beside them (``call``: the
     attention function's ``softcap``, ``sliding_window``, ``forward`` and keyword arguments)."""
-    reason = kernel_refusal(NAME, alibi)
+    reason = kernel_refusal(NAME, alibi, key.shape[2])
     if reason is not None:
         return reason
     forward = call.get("forward")

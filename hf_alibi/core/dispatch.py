@@ -29,10 +29,20 @@ from .compat import base_mask_function, is_exporting, stored_attn_implementation
 from .denormals import bracket, flushed
 from .folded import folded_causal_attention, folded_unavailable
 from .forward import forward_of
-from .kernels import KERNELS, MERGED, PADDING, RUNNING_BACKENDS, WHAT_RUNS, check_backend, paged_refusal
+from .kernels import (
+    KERNELS,
+    MERGED,
+    PADDING,
+    RUNNING_BACKENDS,
+    WHAT_RUNS,
+    check_backend,
+    paged_refusal,
+    window_refusal,
+)
 from .mask import bias_mask, packed_causal_mask, shared_mask
 from .names import FOREIGN, alibi_name
 from .slopes import CAUSAL
+from .window import WINDOW, window_attention
 
 # Below this many queries (decoding, small chunks) "auto" takes the bias path: its tensor is only
 # H x q x kv there, while the fold would copy the whole K/V cache once more per layer and step.
@@ -131,6 +141,8 @@ def make_alibi_attention(backend_name: str, backend: Callable, plain_backend: Ca
             return plain_backend(module, query, key, value, attention_mask, **kwargs)
         if forward.paged is not None:  # a continuous-batching step (before transformers 5.24: the cache written here)
             key, value = update_paged_cache_in_attention(module, key, value, kwargs)
+        if alibi.window is not None and _past_the_window(forward, alibi, key.shape[2]):  # window.py
+            return _window(forward, alibi, module, query, key, value, attention_mask, kwargs)
         # a decoding step's layers after the first: the first one's choice (the bias path) and its mask
         mask = shared_mask(forward, alibi, query, key.shape[2], attention_mask)
         if mask is None:
@@ -172,6 +184,29 @@ def _choose_and_run(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     mask = bias_mask(forward, alibi, query, key.shape[2], attention_mask)
     return _with_bias_mask(backend, module, query, key, value, mask, kwargs, _flushes(query))
+
+
+def _past_the_window(forward, alibi: AlibiBias, kv_len: int) -> bool:
+    # whether this call's keys reach past the layer's rotary window; a continuous-batching step that does is refused
+    # (its requests share one paged layout): its longest request counts, not the pages' slots
+    if forward.paged is None:
+        return kv_len > alibi.window.size
+    longest = int(forward.paged.positions.max()) + 1
+    reason = window_refusal(alibi, longest, "Continuous batching", "generate() (one batch, no paged cache)")
+    if reason is not None:
+        raise ValueError(reason)
+    return False
+
+
+def _window(forward, alibi: AlibiBias, module, query, key, value, attention_mask, kwargs):
+    # far pairs read their own rotation: one computation carries it on eager and sdpa alike (window.py)
+    alibi.check_heads(query)
+    if alibi.last_path != WINDOW:
+        alibi.last_path = WINDOW
+    dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
+    scaling = kwargs.get("scaling")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return window_attention(module, query, key, value, attention_mask, alibi, forward, scaling, dropout)
 
 
 def _with_bias_mask(backend: Callable, module, query, key, value, mask: torch.Tensor, kwargs: dict, flush: bool):

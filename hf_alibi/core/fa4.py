@@ -109,7 +109,7 @@ def fa4_kernels(device: torch.device) -> tuple:
 def fa4_refusal(alibi, query: torch.Tensor, key: torch.Tensor, dropout: float, softcap) -> str | None:
     """Why this call cannot run on FA4 with its ALiBi score_mod, one line, else ``None``: the table's features
     (``kernels.py``), then what FA4 lacks beside them."""
-    reason = kernel_refusal(NAME, alibi)
+    reason = kernel_refusal(NAME, alibi, key.shape[2])
     if reason is not None:
         return reason
     if dropout:

@@ -91,7 +91,7 @@ def flash_alibi_attention(
     """
     alibi = module.alibi
     alibi.check_heads(query)
-    reason = kernel_refusal("flash_attention_2", alibi)
+    reason = kernel_refusal("flash_attention_2", alibi, key.shape[2])
     if reason is not None:
         raise NotImplementedError(reason)
     flash_attn_func, flash_attn_varlen_func = flash_kernels(query.device)

@@ -10,6 +10,7 @@ from torch import nn
 from .compat import compiled_flex_attention, repeat_kv
 from .denormals import flushed
 from .forward import AlibiForward
+from .kernels import window_refusal
 from .packing import same_document
 from .slopes import CAUSAL, LEARNED, NONSYMMETRIC, is_sink, offsets, row_positions
 
@@ -113,6 +114,9 @@ def flex_alibi_attention(
             "model.set_attn_implementation('sdpa') there, or run this under torch.no_grad()."
         )
     q_len, kv_len = query.shape[2], key.shape[2]
+    reason = window_refusal(alibi, kv_len, "flex_attention")
+    if reason is not None:
+        raise NotImplementedError(reason)
     block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
     forward = AlibiForward() if forward is None else forward
     score_mod = alibi_score_mod(alibi, q_len, kv_len, query.device, softcap=softcap, rows=forward.rows(alibi))

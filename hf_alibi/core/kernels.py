@@ -183,11 +183,29 @@ def refusal(row: Kernel, kind: str, sinks: int = 0, rounding=None, paper_slopes:
     return None
 
 
-def kernel_refusal(name: str | None, alibi) -> str | None:
+def window_refusal(
+    alibi, kv_len: int, what: str, instead: str = "model.set_attn_implementation('sdpa') (or 'eager')"
+) -> str | None:
+    """Why ``what`` (a kernel, continuous batching) cannot run this call of a layer with a rotary window
+    (``window.py``): its keys reach past the window. One line that says what to do (``instead``), else ``None``."""
+    window = getattr(alibi, "window", None)
+    if window is None or kv_len <= window.size:
+        return None
+    return (
+        f"{what} cannot carry the rotary window past {window.size} tokens ({kv_len} keys here): use {instead}, or "
+        "convert without rotary_window."
+    )
+
+
+def kernel_refusal(name: str | None, alibi, kv_len: int | None = None) -> str | None:
     """:func:`refusal` for backend ``name`` (``None`` for a name the table does not know) and a layer's ``AlibiBias``
-    (its ``kind``, ``sinks``, ``rounding``, and whether its slopes are the paper's)."""
+    (its ``kind``, ``sinks``, ``rounding``, and whether its slopes are the paper's); with ``kv_len``, a call whose
+    keys reach past the layer's rotary window is refused too (only eager and sdpa carry it: ``window.py``)."""
     row = kernel(name)
-    return None if row is None else refusal(row, alibi.kind, alibi.sinks, alibi.rounding, alibi.spec.paper_slopes)
+    if row is None:
+        return None
+    reason = refusal(row, alibi.kind, alibi.sinks, alibi.rounding, alibi.spec.paper_slopes)
+    return reason if reason is not None or kv_len is None else window_refusal(alibi, kv_len, row.label)
 
 
 def paged_refusal(name: str | None) -> str | None:

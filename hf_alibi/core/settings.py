@@ -72,6 +72,9 @@ FITTED = "fit_slopes"  # AlibiSettings.slopes_source of slopes that fit_slopes m
 # recover; at most the original length): SmolLM2-135M past its 8k read better with slopes fitted on 4096 tokens than
 # on 1024 (docs/pretrained.md); eager attention keeps one layer's heads x T^2 map at a time
 FIT_TOKENS = 4096
+# the preset for reading past a pretrained model's length: "pretrained", with the rotary window at half the original
+# length instead of the knee (docs/pretrained.md)
+LONG = "long"
 
 
 def rotary_only(name: str, leave: str) -> dict:
@@ -112,7 +115,7 @@ class AlibiSettings:
         "see them), so a pretrained model keeps its attention sink. 0: the paper.",
         flag_help="first N tokens carry no distance penalty",
         parse=int,
-        presets={"pretrained": 1},
+        presets={"pretrained": 1, LONG: 1},
         applies=lambda row, config: not getattr(config, "is_encoder_decoder", False),  # one mask places them
         describe=lambda s: f"sinks: {s.sinks}",
     )
@@ -121,7 +124,7 @@ class AlibiSettings:
         "Multiplies the paper's slopes (1.0: the paper).",
         flag_help="multiplies the paper's slopes",
         parse=float,
-        presets={"pretrained": 0.01},
+        presets={"pretrained": 0.01, LONG: 0.01},
         describe=lambda s: (
             None
             if s.slopes is not None
@@ -148,7 +151,8 @@ class AlibiSettings:
         "are removed: cos=1, sin=0). None: remove the rotary embedding entirely.",
         flag_help="rotary: keep wavelengths <= X",
         parse=float,
-        presets={"pretrained": TimesOriginalLength(1024.0)},  # every frequency of a usual model (2 pi theta)
+        # every frequency of a usual model (2 pi theta)
+        presets={"pretrained": TimesOriginalLength(1024.0), LONG: TimesOriginalLength(1024.0)},
         **rotary_only("rotary_max_wavelength", leave="None"),
         describe=lambda s: (
             None
@@ -164,7 +168,7 @@ class AlibiSettings:
         "times slower (inside it nothing changes). None: they turn on as trained.",
         flag_help="rotary: slow the long wavelengths past position X",
         parse=float,
-        presets={"pretrained": TimesOriginalLength(1.0)},
+        presets={"pretrained": TimesOriginalLength(1.0), LONG: TimesOriginalLength(1.0)},
         **rotary_only("rotary_knee", leave="None"),
         describe=lambda s: (
             None
@@ -198,6 +202,34 @@ class AlibiSettings:
             else f"rotary wavelengths > {s.rotary_knee:g} interpolated {s.rotary_interpolation:g}x at every position"
         ),
     )
+    rotary_window: int | None = option(
+        None,
+        "Rotary rows only: query-key distance (tokens; the original length is the natural choice) below which "
+        "every rotary angle is as trained; a pair at distance d >= rotary_window reads the kept frequencies of "
+        "wavelength longer than rotary_knee at distance W + (d - W) / rotary_window_stretch (a knee in distance, "
+        "not position: neighbours keep their angles everywhere). Runs on eager and sdpa past the window; other "
+        "kernels, vLLM and llama.cpp refuse there. None: no window.",
+        flag_help="rotary: keep every angle below distance X",
+        parse=int,
+        presets={LONG: TimesOriginalLength(0.5)},
+        **rotary_only("rotary_window", leave="None"),
+        describe=lambda s: (
+            None
+            if s.rotary_window is None
+            else f"rotary wavelengths > {s.rotary_knee:g} read distance W + (d - W) / {s.rotary_window_stretch:g} "
+            f"past distance W = {s.rotary_window}"
+        ),
+    )
+    rotary_window_stretch: float = option(
+        1.0,
+        "Rotary rows only: how many times slower the long-wavelength rotary frequencies turn with distance past "
+        "rotary_window (1.0: not slowed).",
+        flag_help="rotary: how much slower past the window",
+        parse=float,
+        presets={LONG: 3.0},
+        **rotary_only("rotary_window_stretch", leave="1"),
+        describe=lambda s: None,  # said with rotary_window
+    )
     position_mean: int = option(
         0,
         "Absolute rows only: the mean of the first `position_mean` rows of the removed position table was added to "
@@ -205,7 +237,7 @@ class AlibiSettings:
         "it; nothing is redone on load). 0: the table just goes (the paper).",
         flag_help="learned tables: fold the mean of the first N rows in",
         parse=int,
-        presets={"pretrained": 128},
+        presets={"pretrained": 128, LONG: 128},
         applies=lambda row, config: row.strategy == "absolute",
         refusal="position_mean applies to learned absolute position tables only; {model_type} has a {strategy!r} "
         "position path. Leave it 0.",
@@ -220,7 +252,7 @@ class AlibiSettings:
         "entirely (the paper).",
         flag_help="encoders' tables: keep wavelengths <= X (0: none)",
         parse=float,
-        presets={"pretrained": TimesOriginalLength(1.0)},
+        presets={"pretrained": TimesOriginalLength(1.0), LONG: TimesOriginalLength(1.0)},
         applies=lambda row, config: row.strategy == "absolute" and row.bidirectional,  # encoders' tables only
         refusal="table_max_wavelength applies to encoders with a learned position table (bert, roberta); "
         "{model_type} is {kind}. Leave it None.",
@@ -251,7 +283,7 @@ class AlibiSettings:
         check_pretrained_options(
             self.heads, self.sinks, self.rotary_max_wavelength, self.slope_scale, self.slopes, self.architecture,
             self.position_mean, self.table_max_wavelength, self.table_rows, self.rotary_knee, self.rotary_stretch,
-            self.rotary_interpolation,
+            self.rotary_interpolation, self.rotary_window, self.rotary_window_stretch,
         )  # fmt: skip
         if self.slopes_source not in (None, FITTED) or (self.slopes_source and self.slopes is None):
             raise ValueError(f"slopes_source must be None or {FITTED!r} (with slopes), got {self.slopes_source!r}.")
@@ -366,6 +398,8 @@ def check_pretrained_options(
     rotary_knee: float | None = None,
     rotary_stretch: float = 1.0,
     rotary_interpolation: float = 1.0,
+    rotary_window: int | None = None,
+    rotary_window_stretch: float = 1.0,
 ) -> None:
     """One-line ``ValueError`` for a bad option of :class:`AlibiSettings` (``architecture``: the row as a dict).
 
@@ -434,12 +468,37 @@ def check_pretrained_options(
             "(e.g. the original length) and keep the rotary frequencies (rotary_max_wavelength), or leave "
             "rotary_interpolation 1."
         )
+    if rotary_window is not None and (
+        not isinstance(rotary_window, int) or isinstance(rotary_window, bool) or rotary_window < 1
+    ):
+        raise ValueError(
+            f"rotary_window must be an integer >= 1 (a distance in tokens) or None, got {rotary_window!r}."
+        )
+    if not _is_number(rotary_window_stretch) or rotary_window_stretch < 1:
+        raise ValueError(
+            f"rotary_window_stretch must be a finite number >= 1 (1: not slowed), got {rotary_window_stretch!r}."
+        )
+    if rotary_window is not None:
+        if rotary_knee is None or rotary_max_wavelength is None:
+            raise ValueError(
+                "rotary_window slows the kept rotary frequencies of wavelength > rotary_knee with distance: give "
+                "rotary_knee (e.g. the original length) and keep the rotary frequencies (rotary_max_wavelength), "
+                "or leave rotary_window None."
+            )
+        if rotary_stretch != 1.0 or rotary_interpolation != 1.0:
+            raise ValueError(
+                "rotary_window maps distances, rotary_stretch and rotary_interpolation positions: use one, "
+                "e.g. rotary_stretch=1 with rotary_window (the preset's knee has rotary_stretch 2)."
+            )
+    elif rotary_window_stretch != 1.0:
+        raise ValueError("rotary_window_stretch applies past rotary_window: give rotary_window too, or leave it 1.")
     if architecture is not None:  # where each option applies: its declaration's applies / refusal
         row = type("Row", (), {"bidirectional": False, **architecture})  # the row's fields as attributes
         given = dict(
             sinks=sinks, slope_scale=slope_scale, slopes=slopes, position_mean=position_mean,
             rotary_max_wavelength=rotary_max_wavelength, table_max_wavelength=table_max_wavelength,
             rotary_knee=rotary_knee, rotary_stretch=rotary_stretch, rotary_interpolation=rotary_interpolation,
+            rotary_window=rotary_window, rotary_window_stretch=rotary_window_stretch,
         )  # fmt: skip
         for option in conversion_options():
             applies, refusal = option.metadata["applies"], option.metadata["refusal"]

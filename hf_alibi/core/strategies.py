@@ -113,7 +113,8 @@ class RetainedRotary(nn.Module):
     holds for every layout (halves as Llama, interleaved pairs as Cohere, partial rotary as Phi-3 or
     GPT-NeoX) and depends on the config (``inv_freq`` is a non-persistent buffer), not on weights. A
     ``dynamic`` rope type keeps the frequencies it was trained at (no per-length rescaling). ``kept``
-    reports the last probe's mask (tests). The original is kept as ``original``.
+    reports the last probe's mask (tests), ``frequency`` its channels' frequencies (the rotary window reads
+    them). The original is kept as ``original``.
 
     With a ``knee`` (``rotary_knee``, the original length in the preset) and ``stretch > 1``, the kept dimensions of
     wavelength longer than the knee, which never completed a turn in training, read position ``K + (p - K) /
@@ -149,6 +150,7 @@ class RetainedRotary(nn.Module):
         self.stretch, self.interpolation = float(stretch), float(interpolation)
         self._probes: dict = {}
         self.kept: torch.Tensor | None = None
+        self.frequency: torch.Tensor | None = None  # each channel's radians per token, from the last probe
 
     def _probe(self, x: torch.Tensor, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -164,11 +166,11 @@ class RetainedRotary(nn.Module):
             frequency = torch.atan2(sin[1], cos[1])  # (width,), radians per token
             kept = frequency.abs() >= 2 * math.pi / self.max_wavelength  # wavelength <= the bound
             slowed = kept & (frequency.abs() < 2 * math.pi / self.knee) if self.knee else None  # wavelength > knee
-            probe = (kept, cos[0].to(x.dtype), sin[0].to(x.dtype), slowed)  # removed dims: position 0's value
+            probe = (kept, cos[0].to(x.dtype), sin[0].to(x.dtype), slowed, frequency)  # removed: position 0's value
             if key is not None:
                 self._probes[key] = probe
-        self.kept = probe[0]
-        return probe
+        self.kept, self.frequency = probe[0], probe[4]
+        return probe[:4]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         kept, cos0, sin0, slowed = self._probe(x, args, kwargs)

@@ -27,7 +27,7 @@ def test_every_declared_option_reaches_patch_model_both_clis_info_and_config_jso
     options = conversion_options()
     assert [f.name for f in options] == [
         "sinks", "slope_scale", "slopes", "rotary_max_wavelength", "rotary_knee", "rotary_stretch",
-        "rotary_interpolation", "position_mean", "table_max_wavelength",
+        "rotary_interpolation", "rotary_window", "rotary_window_stretch", "position_mean", "table_max_wavelength",
     ]  # fmt: skip
     samples = {int: "3", float: "3.5", slope_list: "0.5,0.25,0.125,1"}
     commands = ["convert SRC OUT", "recover SRC OUT --train-file F"]

@@ -45,7 +45,8 @@ def test_flags_distill_fields_trainer_arguments_and_keywords_are_made_from_the_o
     fields = {f.name: f for f in dataclasses.fields(RecoverySettings)}
     options = {f.name for f in conversion_options()}
     assert options == {"sinks", "slope_scale", "slopes", "rotary_max_wavelength", "rotary_knee", "rotary_stretch",
-                       "rotary_interpolation", "position_mean", "table_max_wavelength"}  # fmt: skip
+                       "rotary_interpolation", "rotary_window", "rotary_window_stretch", "position_mean",
+                       "table_max_wavelength"}  # fmt: skip
     assert options <= set(fields), "the conversion options reach recovery as settings"
     # hf-alibi recover: one flag per setting but the few without, in both spellings
     actions = {a.dest: a for a in _recover_actions()}
@@ -107,7 +108,7 @@ def test_a_new_field_becomes_a_flag(monkeypatch):
         (dict(lm_weight=1.5), "lm_weight must be between 0 and 1 (the share of the LM loss), got 1.5 (--lm_weight)."),
         (dict(weight_decay=-0.1), "weight_decay must be >= 0, got -0.1 (--weight_decay)."),
         (dict(hidden_layers="first"), "hidden_layers must be one of ('last', 'all'), got 'first'."),
-        (dict(preset="fast"), "Unknown preset 'fast'; known: ['paper', 'pretrained'] (--preset)."),
+        (dict(preset="fast"), "Unknown preset 'fast'; known: ['long', 'paper', 'pretrained'] (--preset)."),
         (dict(eval_fraction=1.0), "eval_fraction must be between 0 and 1, got 1.0."),
         (dict(eval_factors=(1, 0)), "eval_factors must be integers >= 1 (multiples of length), got (1, 0)."),
     ],

@@ -22,6 +22,11 @@ def refusal(config) -> str | None:
     if alibi.get("encoder_variant") is not None or (name is not None and name != f"Alibi{causal_lm}"):
         return f"{name or type(config).__name__} is not a causal language model: {SERVED}; run it in transformers."
     name = name or type(config).__name__
+    if alibi.get("rotary_window") is not None:
+        return (
+            f"{name} reads its far query-key pairs with another rotation (rotary_window), which vLLM's kernels do not "
+            "compute: run it in transformers (`hf-alibi serve`), or convert without rotary_window."
+        )
     if getattr(config, "attn_logit_softcapping", None):
         return (
             f"{name} soft-caps its attention scores, and where vLLM's kernels add the ALiBi bias relative to the cap "
