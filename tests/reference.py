@@ -279,9 +279,12 @@ def first_real_tokens(attention_mask: torch.Tensor | None, batch: int) -> list[i
     return [next(j for j, m in enumerate(row.tolist()) if m) for row in attention_mask]
 
 
-def sink_bias(kind: str, slopes: list[float], length: int, sinks: int, starts: list[int]) -> torch.Tensor:
+def sink_bias(
+    kind: str, slopes: list[float], length: int, sinks: int, starts: list[int], distance=None
+) -> torch.Tensor:
     """(B, H, L, L) float64, written with loops: the ALiBi bias of ``kind`` (causal, symmetric or
-    nonsymmetric) with the keys ``starts[b] <= j < starts[b] + sinks`` at 0 wherever they may be seen."""
+    nonsymmetric) with the keys ``starts[b] <= j < starts[b] + sinks`` at 0 wherever they may be seen; ``distance``
+    maps each |i - j| the penalty reads (default: as it is)."""
     n = len(slopes)
     out = torch.zeros(len(starts), n, length, length, dtype=torch.float64)
     for b, start in enumerate(starts):
@@ -295,7 +298,8 @@ def sink_bias(kind: str, slopes: list[float], length: int, sinks: int, starts: l
                     elif start <= j < start + sinks:
                         out[b, h, i, j] = 0.0
                     else:
-                        out[b, h, i, j] = -slopes[h] * abs(i - j)
+                        d = abs(i - j)
+                        out[b, h, i, j] = -slopes[h] * (d if distance is None else distance(d))
     return out
 
 

@@ -130,6 +130,7 @@ def window_attention(module, query, key, value, attention_mask, alibi, forward, 
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     size, stretch = window.size, window.stretch
     device = query.device
+    slopes = alibi.fixed_slopes(device)
     key_positions = torch.arange(kv_len, device=device, dtype=torch.float64)
     if not is_exporting():
         window.check_layout()
@@ -155,17 +156,21 @@ def window_attention(module, query, key, value, attention_mask, alibi, forward, 
         low = max(0, query_offset + first - size + 1)  # the near keys start here
         high = max(0, top - size)  # the far keys end here
         bias = alibi(rows, top, device, masked, starts=starts, end=top)  # (1|B, H, rows, top) fp32
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[..., first:last, :top]
-        merged = merge_bias_and_mask(bias, mask, torch.float32)
+        distance = (positions[:, None] - key_positions[None, :top]).float()  # (rows, top)
+        # a far pair's penalty reads its mapped distance too (-slope * (W + (d - W) / stretch)): sinks (bias 0)
+        # and masked keys keep theirs
+        far_bias = bias[..., :high]
+        mapped = -slopes[:, None, None] * (size + (distance[:, :high] - size) / stretch)  # (H, rows, high)
+        far_bias = torch.where((far_bias < 0) & (far_bias > masked / 2), mapped, far_bias)
+        mask = None if attention_mask is None else attention_mask[..., first:last, :top]
+        near_mask = merge_bias_and_mask(bias[..., low:top], None if mask is None else mask[..., low:], torch.float32)
+        far_mask = merge_bias_and_mask(far_bias, None if mask is None else mask[..., :high], torch.float32)
         if documents is not None:  # a packed row: each query sees its own document
-            own = documents[:, query_offset + first : top, None] == documents[:, None, :top]
-            merged = merged.masked_fill(~own[:, None], masked)
-        distance = positions[:, None] - key_positions[None, :top]
-        causal = distance >= 0
-        near_mask = merged[..., low:top].masked_fill(~(causal[:, low:] & (distance[:, low:] < size)), masked)
-        far_mask = merged[..., :high].masked_fill(~(distance[:, :high] >= size), masked)
+            own = (documents[:, query_offset + first : top, None] == documents[:, None, :top])[:, None]
+            near_mask = near_mask.masked_fill(~own[..., low:], masked)
+            far_mask = far_mask.masked_fill(~own[..., :high], masked)
+        near_mask = near_mask.masked_fill(~((distance[:, low:] >= 0) & (distance[:, low:] < size)), masked)
+        far_mask = far_mask.masked_fill(~(distance[:, :high] >= size), masked)
         keys = torch.cat((near[:, :, low:top], far[:, :, :high]), dim=2)
         values = torch.cat((padded[:, :, low:top], padded[:, :, :high]), dim=2)
         mask_both = torch.cat((near_mask, far_mask), dim=-1).to(query.dtype)

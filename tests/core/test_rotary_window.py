@@ -53,7 +53,8 @@ def reference_logits(model, ids, mask=None) -> torch.Tensor:
     slowed = [f if f and 2 * math.pi / f > KNEE else 0.0 for f in kept]
     assert sum(1 for f in slowed if f) == 2  # the window has channels to slow, and channels to leave
     slopes = [0.25 * s for s in fairseq_slopes(4)]
-    bias = sink_bias("causal", slopes, ids.shape[1], 1, first_real_tokens(mask, ids.shape[0]))
+    mapped = lambda d: d if d < WINDOW else WINDOW + (d - WINDOW) / STRETCH  # noqa: E731  (far pairs' penalty too)
+    bias = sink_bias("causal", slopes, ids.shape[1], 1, first_real_tokens(mask, ids.shape[0]), mapped)
     name = "hf_alibi_tests_window_reference"
     register_window_reference(name, bias, WINDOW, STRETCH, slowed)
     reference = make(name)
