@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""What the rotary position maps cost per token: the pretrained preset (the knee) and the same conversion with the
-long wavelengths interpolated instead (``rotary_stretch=1, rotary_interpolation=1.5``), against the conversion
-without either (``rotary_stretch=1``): one forward of ``--tokens`` tokens each, interleaved, median of ``--repeats``;
-prints each median and its ratio to the conversion without a map.
+"""What the rotary position maps cost per token: the pretrained preset (the knee), the same conversion with the
+long wavelengths interpolated instead (``rotary_stretch=1, rotary_interpolation=1.5``) and the long preset (the
+rotary window at half the original length), against the conversion without any (``rotary_stretch=1``): one forward
+of ``--tokens`` tokens each, interleaved, median of ``--repeats``; prints each median and its ratio to the
+conversion without a map. The window costs only where a call's keys pass it: give ``--tokens`` past half the
+original length to see that.
 
     PYTHONPATH=. python benchmarks/rotary_knee.py --model /work/models/smollm2 --tokens 2048 --repeats 7
 """
@@ -26,14 +28,15 @@ def main(argv=None) -> dict[str, float]:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
 
-    def load(**options):
+    def load(preset="pretrained", **options):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-        return hf_alibi.patch_model(model, preset="pretrained", **options).eval()
+        return hf_alibi.patch_model(model, preset=preset, **options).eval()
 
     arms = {
         "without the knee (rotary_stretch=1)": load(rotary_stretch=1.0),
         "the preset (knee)": load(),
         "interpolated x1.5 (rotary_stretch=1)": load(rotary_stretch=1.0, rotary_interpolation=1.5),
+        "the long preset (rotary window)": load("long"),
     }
     vocab = next(iter(arms.values())).config.vocab_size
     ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))

@@ -206,9 +206,9 @@ class AlibiSettings:
         None,
         "Rotary rows only: query-key distance (tokens; the original length is the natural choice) below which "
         "every rotary angle is as trained; a pair at distance d >= rotary_window reads the kept frequencies of "
-        "wavelength longer than rotary_knee at distance W + (d - W) / rotary_window_stretch (a knee in distance, "
-        "not position: neighbours keep their angles everywhere). Runs on eager and sdpa past the window; other "
-        "kernels, vLLM and llama.cpp refuse there. None: no window.",
+        "wavelength longer than rotary_knee, and its ALiBi penalty, at distance W + (d - W) / rotary_window_stretch "
+        "(a knee in distance, not position: neighbours keep their angles everywhere). Runs on eager and sdpa past "
+        "the window; other kernels, vLLM and llama.cpp refuse there. None: no window.",
         flag_help="rotary: keep every angle below distance X",
         parse=int,
         presets={LONG: TimesOriginalLength(0.5)},
@@ -216,8 +216,8 @@ class AlibiSettings:
         describe=lambda s: (
             None
             if s.rotary_window is None
-            else f"rotary wavelengths > {s.rotary_knee:g} read distance W + (d - W) / {s.rotary_window_stretch:g} "
-            f"past distance W = {s.rotary_window}"
+            else f"rotary wavelengths > {s.rotary_knee:g} and the penalty read distance W + (d - W) / "
+            f"{s.rotary_window_stretch:g} past distance W = {s.rotary_window}"
         ),
     )
     rotary_window_stretch: float = option(

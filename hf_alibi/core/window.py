@@ -7,8 +7,11 @@ meet angles they never saw. The rotary knee (``rotary_stretch``) slows them past
 compresses the distances between neighbours there; ``rotary_interpolation`` slows them everywhere, which changes
 the angles inside ``L``. The window slows them by distance instead: a pair of tokens at distance ``d < W`` (the
 window) reads every angle as trained, a pair at ``d >= W`` reads the slowed dimensions at the distance
-``W + (d - W) / stretch`` (ReRoPE's leaky form, Su 2023, on the slow dimensions only). With ``W = L`` nothing
-changes inside the original length; past it, neighbours keep their trained angles and far pairs stay close to them.
+``W + (d - W) / stretch`` (ReRoPE's leaky form, Su 2023, on the slow dimensions only), and so does its ALiBi
+penalty (``-slope * (W + (d - W) / stretch)``; sinks keep 0): far keys stay within reach, which found the passkey
+where the penalty on the true distance did not (docs/pretrained.md). With ``W = L`` nothing changes inside the
+original length; with ``W = L / 2`` (the ``long`` preset) the far half of it is read through the map too, which read
+better on every text measured; past ``L``, neighbours keep their trained angles and far pairs stay close to them.
 
 The angle between a query at position ``m`` and a key at ``n`` depends on ``m - n`` only, so the far pairs' angles
 come from turning the already rotated query by ``m / stretch + c - m`` and key by ``n / stretch - n`` more

@@ -157,7 +157,7 @@ def test_saved_reloaded_and_said(tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
     from hf_alibi.core.settings import describe_options
 
-    assert "read distance W + (d - W) / 3 past distance W = 12" in describe_options(saved)
+    assert "and the penalty read distance W + (d - W) / 3 past distance W = 12" in describe_options(saved)
 
 
 def test_kernels_that_cannot_carry_it_refuse_past_the_window_only():
