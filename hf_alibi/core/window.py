@@ -31,16 +31,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from .compat import is_exporting
-from .mask import merge_bias_and_mask
-from .slopes import offsets
+from .mask import attends
+from .slopes import offsets, sink_keys
 
 HALVES, PAIRS = "halves", "pairs"  # rotate_half's layout (Llama), interleaved pairs (GPT-J, Cohere)
 WINDOW = "window"  # the path name a layer records (``AlibiBias.last_path``) past its window
 CHUNK = 1024  # queries per SDPA call past the window: an (H, CHUNK, keys) mask at a time
+FAR = 1e30  # the distance a masked pair reads: its penalty (slopes > 0, at least 1e-8 here) is below any score
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +137,7 @@ def window_attention(module, query, key, value, attention_mask, alibi, forward, 
     device = query.device
     slopes = alibi.fixed_slopes(device)
     key_positions = torch.arange(kv_len, device=device, dtype=torch.float64)
+    key_columns = key_positions.float()
     if not is_exporting():
         window.check_layout()
     slowed = window.frequencies.to(device) != 0  # (width,)
@@ -147,41 +150,50 @@ def window_attention(module, query, key, value, attention_mask, alibi, forward, 
     padded = torch.nn.functional.pad(value, (0, dim))
     masked = torch.finfo(query.dtype).min
     documents = forward.documents
+    # what every head shares: each key's sink flag (the first real tokens of its row or document) and transformers'
+    # mask (padding, a static cache's empty slots) as booleans; the bias is made from them per chunk in two passes
+    sink = sink_keys(kv_len, alibi.sinks, starts, None, device)[:, 0, 0] if alibi.sinks else None  # (B|1, kv)
+    allowed = None if attention_mask is None else attends(attention_mask)[:, 0]  # (B|1, q, kv)
     outputs = []
     for first in range(0, q_len, CHUNK):
         last = min(q_len, first + CHUNK)
-        rows = last - first
         positions = torch.arange(query_offset + first, query_offset + last, device=device, dtype=torch.float64)
+        rows = positions.float()
         chunk = query[:, :, first:last]
         far_query = window.turn(chunk, positions / stretch + window.offset - positions).masked_fill(~slow, 0)
         both = torch.cat((chunk, far_query), dim=-1)
         top = query_offset + last  # keys at or after it are in every row's future
         low = max(0, query_offset + first - size + 1)  # the near keys start here
         high = max(0, top - size)  # the far keys end here
-        bias = alibi(rows, top, device, masked, starts=starts, end=top)  # (1|B, H, rows, top) fp32
-        distance = (positions[:, None] - key_positions[None, :top]).float()  # (rows, top)
-        # a far pair's penalty reads its mapped distance too (-slope * (W + (d - W) / stretch)): sinks (bias 0)
-        # and masked keys keep theirs
-        far_bias = bias[..., :high]
-        mapped = -slopes[:, None, None] * (size + (distance[:, :high] - size) / stretch)  # (H, rows, high)
-        far_bias = torch.where((far_bias < 0) & (far_bias > masked / 2), mapped, far_bias)
-        mask = None if attention_mask is None else attention_mask[..., first:last, :top]
-        near_mask = merge_bias_and_mask(bias[..., low:top], None if mask is None else mask[..., low:], torch.float32)
-        far_mask = merge_bias_and_mask(far_bias, None if mask is None else mask[..., :high], torch.float32)
+        columns = partial(_columns, low=low, top=top, high=high)
+        far_column = torch.arange(top - low + high, device=device) >= top - low
+        distance = rows[:, None] - columns(key_columns)[None, :]  # (rows, columns): exact in float32 below 2^24
+        regime = torch.where(far_column, distance >= size, (distance >= 0) & (distance < size))
+        # a far pair reads its mapped distance, in its slowed angles and its penalty (-slope * distance); sinks 0;
+        # a key a query may not see reads FAR (-slope * FAR: below any score, finite where a row sees nothing)
+        read = torch.where(far_column, size + (distance - size) / stretch, distance)[None]  # (1, rows, columns)
+        if sink is not None:
+            read = read.masked_fill(columns(sink)[:, None, :], 0.0)
+        keep = regime[None]
+        if allowed is not None:
+            keep = keep & columns(allowed[:, first:last, :top])
         if documents is not None:  # a packed row: each query sees its own document
-            own = (documents[:, query_offset + first : top, None] == documents[:, None, :top])[:, None]
-            near_mask = near_mask.masked_fill(~own[..., low:], masked)
-            far_mask = far_mask.masked_fill(~own[..., :high], masked)
-        near_mask = near_mask.masked_fill(~((distance[:, low:] >= 0) & (distance[:, low:] < size)), masked)
-        far_mask = far_mask.masked_fill(~(distance[:, :high] >= size), masked)
+            keep = keep & columns(documents[:, query_offset + first : top, None] == documents[:, None, :top])
+        bias = -slopes[:, None, None] * read.masked_fill(~keep, FAR)[:, None]  # (B|1, H, rows, columns), one pass
+        if bias.dtype != query.dtype:
+            bias = bias.clamp_min(masked).to(query.dtype)
         keys = torch.cat((near[:, :, low:top], far[:, :, :high]), dim=2)
         values = torch.cat((padded[:, :, low:top], padded[:, :, :high]), dim=2)
-        mask_both = torch.cat((near_mask, far_mask), dim=-1).to(query.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
-            both, keys, values, attn_mask=mask_both, dropout_p=dropout, scale=scaling
+            both, keys, values, attn_mask=bias, dropout_p=dropout, scale=scaling
         )
         outputs.append(out[..., :dim])
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _columns(x: torch.Tensor, low: int, top: int, high: int) -> torch.Tensor:
+    # the near copy's keys (``low`` to ``top``), then the far copy's (0 to ``high``), on the last dimension
+    return torch.cat((x[..., low:top], x[..., :high]), dim=-1)
 
 
 def rotary_window(base, settings) -> RotaryWindow | None:
