@@ -71,7 +71,8 @@ def test_gpt2_config_json_holds_exactly_the_settings_and_the_row(saved):
     assert config["alibi"] == {
         "base_model_type": "gpt2", "encoder_variant": None, "heads": 4, "hf_alibi_version": hf_alibi.__version__,
         "sinks": 0, "rotary_max_wavelength": None, "slope_scale": 1.0, "slopes": None,  # the paper's method
-        "rotary_knee": None, "rotary_stretch": 1.0, "rotary_interpolation": 1.0,
+        "rotary_knee": None, "rotary_stretch": 1.0, "rotary_interpolation": 1.0, "rotary_window": None,
+        "rotary_window_stretch": 1.0,
         "position_mean": 0, "table_max_wavelength": None, "table_rows": 0, "slopes_source": None,
         "architecture": {  # the row, so that the checkpoint rebuilds the same way wherever it is loaded
             "model_type": "gpt2", "strategy": "absolute", "position": ["wpe"], "attention": ["h.*.attn"],

@@ -28,10 +28,14 @@ VALUES = {
     "rotary_knee": 12.0,  # inside the inputs' 40 positions: the slowed frequencies are traced past it
     "rotary_stretch": 4.0,
     "rotary_interpolation": 1.5,  # with the stretch: the knee's positions interpolated
+    "rotary_window": 20,  # the window conversion (below): far pairs inside the inputs' 40 positions
+    "rotary_window_stretch": 3.0,
     "position_mean": 4,
     "table_max_wavelength": 8.0,
 }
 EXCLUSIVE = {"slope_scale"}  # taken alone: it and explicit slopes exclude each other
+# the rotary window maps distances where the stretch and the interpolation map positions: a conversion of its own
+WINDOW, POSITION_MAPS = {"rotary_window", "rotary_window_stretch"}, {"rotary_stretch", "rotary_interpolation"}
 
 
 def test_every_declared_option_has_a_value():
@@ -57,6 +61,7 @@ def _converted(name: str, conversion: str):
         if option.metadata["applies"] is None or option.metadata["applies"](row, model.config)
     ]
     names = [n for n in names if (n in EXCLUSIVE) == (conversion == "scaled")]
+    names = [n for n in names if n not in (POSITION_MAPS if conversion == "window" else WINDOW)]
     options = {}
     for option in names:
         value = VALUES[option]
@@ -81,8 +86,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("conversion", ["options", "scaled", "pretrained"])
-@pytest.mark.parametrize("name", ROWS)
+@pytest.mark.parametrize(
+    ("name", "conversion"),
+    [(name, kind) for name in ROWS for kind in ("options", "scaled", "pretrained")] + [("llama", "window")],
+)
 def test_fullgraph_compile_on_every_option(name, conversion):
     model, options = _converted(name, conversion)
     assert options  # every row takes some option
@@ -107,9 +114,9 @@ class _Logits(torch.nn.Module):
         return self.model(**inputs, use_cache=False).logits
 
 
-@pytest.mark.parametrize("name", ROWS)
-def test_export_with_every_option(name):
-    model, _ = _converted(name, "options")
+@pytest.mark.parametrize(("name", "conversion"), [(name, "options") for name in ROWS] + [("llama", "window")])
+def test_export_with_every_option(name, conversion):
+    model, _ = _converted(name, conversion)
     inputs = {k: v for k, v in _inputs(CASE[name]).items() if k != "use_cache"}
     program = torch.export.export(_Logits(model), (inputs,))
     other = {k: (v.flip(0) if k == "attention_mask" else v) for k, v in inputs.items()}  # padding on the other row
