@@ -303,24 +303,35 @@ def sink_bias(
     return out
 
 
+def _reference_softmax(scores, bias, attention_mask, v, dtype) -> torch.Tensor:
+    # the references' float64 tail: the bias and transformers' eager mask added, softmax, values, (B, q, H, D) out
+    scores = scores + bias
+    if attention_mask is not None:
+        scores = scores + attention_mask.double()
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
+    return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(dtype)
+
+
+def _register_reference(name: str, attention) -> None:
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+
+
 def register_sink_reference(name: str, bias: torch.Tensor) -> None:
     """Register ``name`` as a reference attention adding ``bias`` ((B, H, L, L) float64, no cache) to
     transformers' eager mask (causality, padding), float64 softmax, grouped KV heads shared by hand."""
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-    from transformers.modeling_utils import AttentionInterface
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         rep = query.shape[1] // key.shape[1]
         k, v = key.repeat_interleave(rep, dim=1).double(), value.repeat_interleave(rep, dim=1).double()
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scaling + bias
-        if attention_mask is not None:
-            scores = scores + attention_mask.double()
-        weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
-        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(query.dtype), None
+        scores = torch.einsum("bhqd,bhkd->bhqk", query.double(), k) * scaling
+        return _reference_softmax(scores, bias, attention_mask, v, query.dtype), None
 
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, eager_mask)
+    _register_reference(name, attention)
 
 
 class KneeRotaryReference(torch.nn.Module):
@@ -359,8 +370,6 @@ def register_window_reference(name: str, bias: torch.Tensor, window: int, stretc
     distance ``d >= window`` (index distance: the rows' padding cancels) has each slowed channel's angle (a Llama
     halves layout channel ``c`` of frequency ``frequencies[c % (width / 2)]``, 0: not slowed) read at ``window + (d -
     window) / stretch`` instead of ``d``: its key turned ``d - that`` positions further, pair by pair, in float64."""
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-    from transformers.modeling_utils import AttentionInterface
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         rep = query.shape[1] // key.shape[1]
@@ -383,14 +392,9 @@ def register_window_reference(name: str, bias: torch.Tensor, window: int, stretc
                             key_j[..., c] = a * math.cos(angle) - b * math.sin(angle)
                             key_j[..., c + half] = b * math.cos(angle) + a * math.sin(angle)
                 scores[:, :, i, j] = (q[:, :, i] * key_j).sum(-1) * scaling
-        scores = scores + bias
-        if attention_mask is not None:
-            scores = scores + attention_mask.double()
-        weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
-        return torch.einsum("bhqk,bhkd->bqhd", weights, v).to(query.dtype), None
+        return _reference_softmax(scores, bias, attention_mask, v, query.dtype), None
 
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, eager_mask)
+    _register_reference(name, attention)
 
 
 def retained_rotary_reference_logits(
