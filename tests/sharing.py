@@ -190,3 +190,22 @@ def torch_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+MASKED_PATHS = (("eager", "auto"), ("sdpa", "folded"), ("sdpa", "bias"))  # every CPU path a padded batch can take
+
+
+def assert_every_path_matches(model, ids, mask, expected, tolerance: float = 2e-5, after=None) -> None:
+    """``model``'s logits on ``ids`` with ``mask`` equal ``expected`` at the real tokens on each of ``MASKED_PATHS``
+    (the backend set, the ALiBi path forced); ``after(backend, path)``, where given, checks more after each."""
+    import hf_alibi
+
+    real = mask.bool()
+    for backend, path in MASKED_PATHS:
+        model.set_attn_implementation(backend)
+        hf_alibi.set_attention_path(model, path)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert (logits[real] - expected[real]).abs().max() < tolerance, (backend, path)
+        if after is not None:
+            after(backend, path)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from reference import first_real_tokens, gpt2_reference_logits, sink_bias
+from sharing import assert_every_path_matches
 from tiny import VOCAB, random_ids, tiny_gpt2
 
 import hf_alibi
@@ -31,15 +32,10 @@ def test_per_layer_slopes_match_the_reference_on_every_path():
     starts = first_real_tokens(mask, 2)
     bias = [sink_bias("causal", layer, LENGTH, 1, starts) for layer in PER_LAYER]
     expected = gpt2_reference_logits(model, ids, bias=bias, key_padding=mask.bool())
-    real = mask.bool()
-    for backend, path in [("eager", "auto"), ("sdpa", "folded"), ("sdpa", "bias")]:
-        model.set_attn_implementation(backend)
-        hf_alibi.set_attention_path(model, path)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        assert (logits[real] - expected[real]).abs().max() < 2e-5, (backend, path)
+    assert_every_path_matches(model, ids, mask, expected)
     # each layer has its own: the first layer's list everywhere is another model
     same = gpt2_reference_logits(model, ids, bias=bias[0], key_padding=mask.bool())
+    real = mask.bool()
     assert (same[real] - expected[real]).abs().max() > 1e-3
 
 
